@@ -1,0 +1,28 @@
+# Two entry points (see README): `make run` and `make test`. Each creates .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test verify bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python simulate.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+verify: $(STAMP)
+	$(BIN)/python -m spec.verify
+
+bench: $(STAMP)
+	$(BIN)/python bench.py
+
+clean:
+	rm -rf $(VENV)

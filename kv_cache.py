@@ -1,0 +1,100 @@
+"""The KV-cache block pool: concrete block ids handed out from a free list.
+
+Source: vLLM V1's ``BlockPool`` / ``KVCacheManager`` and nano-vllm's ``BlockManager``, reduced
+to what a scheduler needs: check-then-act allocation of whole blocks, a block table per
+request (kept by the caller), and an integrity check ``free + used == cap``.
+"""
+from __future__ import annotations
+
+
+class BlockPoolError(RuntimeError):
+    """The pool's ledger was misused (double free, foreign block id): a scheduler bug."""
+
+
+class BlockPool:
+    """A fixed pool of ``num_blocks`` KV blocks with ids ``0..num_blocks-1``.
+
+    Args:
+        num_blocks: the cap, in blocks (``MAX_KV_BLOCKS`` = 256 for the stub).
+
+    Raises:
+        ValueError: ``num_blocks < 1``.
+
+    Invariant: ``spec.rules.ledger_consistent`` (free + used == cap) and ``kv_within_cap``.
+    Allocation is LIFO so recently freed (cache-warm) blocks are reused first.
+    """
+
+    __slots__ = ("num_blocks", "_free", "_is_free")
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not held by any request."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by requests."""
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` blocks can be taken now (``spec.rules.can_allocate``)."""
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` free blocks.
+
+        Returns:
+            Their ids (``n`` of them, ``[]`` for ``n == 0``), or ``None`` when fewer than
+            ``n`` are free; nothing is taken then.
+
+        Raises:
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        for b in out:
+            self._is_free[b] = 0
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Return ``blocks`` to the pool.
+
+        Raises:
+            BlockPoolError: a block id is unknown or already free; nothing is freed then.
+        """
+        for b in blocks:
+            if not (0 <= b < self.num_blocks) or self._is_free[b]:
+                raise BlockPoolError(f"block {b} is not an allocated block of this pool")
+        if len(set(blocks)) != len(blocks):
+            raise BlockPoolError(f"duplicate block ids in free(): {blocks}")
+        for b in blocks:
+            self._is_free[b] = 1
+        self._free.extend(reversed(blocks))
+
+    def check(self, held: list[list[int]] | None = None) -> None:
+        """Integrity check: the free list and the free map agree; with ``held`` (every block table),
+        every block is either free or held by exactly one table.
+
+        Raises:
+            BlockPoolError: naming what is inconsistent.
+        """
+        if len(set(self._free)) != len(self._free) or sum(self._is_free) != len(self._free):
+            raise BlockPoolError("free list and free map disagree")
+        if held is not None:
+            seen = [b for table in held for b in table]
+            if len(seen) + len(self._free) != self.num_blocks or len(set(seen) | set(self._free)) != self.num_blocks:
+                raise BlockPoolError(
+                    f"free ({len(self._free)}) + held ({len(seen)}) != cap ({self.num_blocks}) or a block is shared")

@@ -1,0 +1,562 @@
+"""Batch: a continuous-batching (iteration-level) scheduler for LLM inference.
+
+``Scheduler`` is the import contract's facade (``../shared/mission/contract.md``):
+``submit`` / ``tick`` / ``has_active`` / ``metrics``. One ``tick()`` is one model iteration:
+
+    plan = self.schedule()                       # pure decision: no clock, no I/O, no mutation
+    tokens = forward(plan.requests)              # the backend, looked up at call time
+    finished = self.update_from_output(plan, tokens)   # commit: KV ledger, tokens, lifecycle
+
+Because the plan is committed only after ``forward`` returns good tokens, a backend failure
+leaves the scheduler exactly as it was before the tick.
+
+Each request is an explicit state machine (``spec.lifecycle``): queued -> prefilling ->
+decoding -> done, plus preempted (by recompute) and aborted. The KV ledger hands out concrete
+block ids from ``kv_cache.BlockPool``; the arithmetic is ``spec.rules``, the same functions
+the z3 proofs check.
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import inference_stub
+from inference_stub import Request
+from kv_cache import BlockPool
+from metrics import MetricsRecorder
+from policy import FCFSPolicy, Policy
+from spec import lifecycle as lc
+from spec import rules
+
+__all__ = ["Scheduler", "SchedulePlan", "ScheduledSeq", "RequestError", "InvalidRequestError",
+           "PromptTooLongError", "DuplicateRequestError", "BackendError", "forward", "Request"]
+
+#: Prefill chunk: prompts longer than this are prefilled over several iterations (tokens).
+PREFILL_CHUNK_TOKENS = 64
+#: Default most requests resident at once (vLLM's ``max_num_seqs``).
+MAX_RUNNING_REQUESTS = 256
+
+#: The one shared lifecycle machine; records are never registered with it.
+MACHINE = lc.new_machine()
+_EVENTS = MACHINE.events
+
+
+def forward(batch: list[Request]) -> list[int]:
+    """The default backend: ``inference_stub.forward``, looked up at every call.
+
+    A harness may wrap either this name or ``inference_stub.forward``; both see every batch.
+    """
+    return inference_stub.forward(batch)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class RequestError(ValueError):
+    """A request was refused at ``submit``; the scheduler's state is unchanged."""
+
+
+class InvalidRequestError(RequestError):
+    """A field of the request is malformed (the message names the field and the rule)."""
+
+
+class PromptTooLongError(RequestError):
+    """The prompt (with its first output token's slot) needs more KV blocks than the cap."""
+
+
+class DuplicateRequestError(RequestError):
+    """The same ``Request`` object, or a non-empty ``request_id``, is already in flight."""
+
+
+class BackendError(RuntimeError):
+    """``forward`` failed or answered malformed output; the tick was not applied.
+
+    Attributes:
+        request_ids: the ids of the batch that was passed to ``forward``.
+    """
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(f"{message} (batch of {len(request_ids)}: {request_ids[:8]}"
+                         f"{' ...' if len(request_ids) > 8 else ''})")
+        self.request_ids = request_ids
+
+
+# ---------------------------------------------------------------- records and plan
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    """The scheduler's record of one request (compares by identity).
+
+    ``num_tokens`` = prompt + generated tokens known; ``num_computed_tokens`` of them have KV
+    in the cache (vLLM's terms); ``block_table`` lists the block ids held.
+    """
+
+    req: Request
+    user_id: str
+    arrival_no: int
+    num_prompt_tokens: int
+    state: str = lc.QUEUED
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    admit_no: int = -1
+    admitted_s: float | None = None
+    last_token_s: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.req.generated)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.req.generated)
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's share of an iteration.
+
+    Attributes:
+        seq: the scheduler's record.
+        num_new_tokens: tokens processed this iteration (a prefill chunk, or 1 for a decode).
+        new_blocks: blocks granted before the iteration (whole prompt at admission, growth after).
+        admitted: the request enters from the waiting queue in this iteration.
+    """
+
+    seq: _Seq
+    num_new_tokens: int
+    new_blocks: int
+    admitted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulePlan:
+    """The decision for one iteration (vLLM V1's ``SchedulerOutput``, reduced).
+
+    Attributes:
+        batch: the participating requests, in ``forward`` order.
+        preempted: resident requests preempted by recompute before this iteration.
+        num_batched_tokens: sum of ``num_new_tokens``, tokens.
+        free_blocks_after: free blocks once the plan is applied.
+        admission_stop: why admission stopped: ``"empty"`` (nothing waiting), ``"kv"``,
+            ``"budget"``, ``"max_running"`` or ``"preempted"`` (no admission in a tick that
+            preempted).
+    """
+
+    batch: tuple[ScheduledSeq, ...]
+    preempted: tuple[_Seq, ...]
+    num_batched_tokens: int
+    free_blocks_after: int
+    admission_stop: str
+
+    @property
+    def requests(self) -> list[Request]:
+        """The ``Request`` objects passed to ``forward``, in batch order."""
+        return [s.seq.req for s in self.batch]
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+class Scheduler:
+    """Iteration-level scheduler with chunked prefill, a KV block cap and preemption by recompute.
+
+    All arguments are keyword-only and optional; defaults come from the ``inference_stub``
+    module in use at construction time.
+
+    Args:
+        kv_cap_blocks: KV blocks in the cache (``MAX_KV_BLOCKS``, 256).
+        block_tokens: tokens per block (``KV_BLOCK_TOKENS``, 16).
+        prefill_chunk_tokens: largest prefill chunk per request per iteration (64).
+        token_budget_tokens: most tokens processed per iteration, all requests together
+            (default: the cache's capacity in tokens, so for the stub it never binds).
+        max_running: most resident requests (256).
+        eos_token_id: the token that ends a request (``EOS_TOKEN``, 0).
+        vocab_size: prompts must use ids below this (``VOCAB_SIZE``; ``None`` disables).
+        clock: a callable returning seconds; ``time.time`` by default.
+        backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
+            at every call.
+        policy: admission and victim policy (``FCFSPolicy``).
+        record_itl: keep per-token gaps for ITL percentiles (see ``MetricsRecorder``).
+
+    Raises:
+        ValueError: a knob is not a positive int.
+
+    Thread safety: ``submit``, ``has_active`` and ``metrics`` may be called from other threads
+    while ``tick()`` runs; ``forward`` is called without holding the state lock, and ticks
+    are serialised (a second thread's ``tick()`` waits for the first).
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_cap_blocks: int | None = None,
+        block_tokens: int | None = None,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        token_budget_tokens: int | None = None,
+        max_running: int = MAX_RUNNING_REQUESTS,
+        eos_token_id: int | None = None,
+        vocab_size: int | None = -1,
+        clock: Callable[[], float] | None = None,
+        backend: Callable[[list[Request]], list[int]] | None = None,
+        policy: Policy | None = None,
+        record_itl: bool = True,
+    ) -> None:
+        stub = inference_stub
+        self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
+                                       if kv_cap_blocks is None else kv_cap_blocks)
+        self.block_tokens = _positive("block_tokens", getattr(stub, "KV_BLOCK_TOKENS", 16)
+                                      if block_tokens is None else block_tokens)
+        self.prefill_chunk_tokens = _positive("prefill_chunk_tokens", prefill_chunk_tokens)
+        self.max_model_len_tokens = rules.max_model_len_tokens(self.kv_cap_blocks, self.block_tokens)
+        self.token_budget_tokens = _positive("token_budget_tokens", self.max_model_len_tokens
+                                             if token_budget_tokens is None else token_budget_tokens)
+        self.max_running = _positive("max_running", max_running)
+        self.eos_token_id = getattr(stub, "EOS_TOKEN", 0) if eos_token_id is None else eos_token_id
+        self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
+        self.clock: Callable[[], float] = clock or time.time
+        self._backend = backend
+        self.policy: Policy = policy if policy is not None else FCFSPolicy()
+        self.pool = BlockPool(self.kv_cap_blocks)
+        self.running: list[_Seq] = []
+        self._by_obj: dict[int, _Seq] = {}
+        self._by_id: dict[str, _Seq] = {}
+        self._arrivals = 0
+        self._admissions = 0
+        self._lock = threading.RLock()
+        self._tick_lock = threading.Lock()  # one tick at a time; forward runs outside self._lock
+        self.stats = MetricsRecorder(record_itl=record_itl)
+
+    # ------------------------------------------------------------ the contract
+
+    def submit(self, request: Request) -> None:
+        """Accept a request; returns at once. Stamps ``submitted_at`` with the scheduler's clock.
+
+        Raises:
+            InvalidRequestError: empty ``user_id``; a prompt that is empty, not a list of
+                ints, or has ids outside ``0..vocab_size-1``; ``max_tokens`` not an int >= 1.
+            PromptTooLongError: the prompt plus its first output token needs more than
+                ``kv_cap_blocks`` blocks (it could never run).
+            DuplicateRequestError: the object, or its non-empty ``request_id``, is in flight.
+
+        On any error nothing changes except the refusal count in ``metrics()``.
+        """
+        with self._lock:
+            try:
+                n_prompt = self._validate(request)
+            except RequestError as e:
+                self.stats.on_refuse(type(e).__name__)
+                raise
+            now = self.clock()
+            request.submitted_at = now
+            seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt)
+            self._arrivals += 1
+            self._by_obj[id(request)] = seq
+            if request.request_id:
+                self._by_id[request.request_id] = seq
+            self.stats.on_submit(now)
+            self.policy.add(seq)
+
+    def tick(self) -> list[Request]:
+        """Run one model iteration.
+
+        Returns:
+            The requests that finished in this iteration (EOS, ``max_tokens``, or the cache's
+            length limit), each with ``completed_at`` set and its blocks already freed.
+
+        Raises:
+            BackendError: ``forward`` raised or returned a wrong number of tokens or a
+                non-int; the tick is not applied, so calling ``tick()`` again retries it.
+        """
+        with self._tick_lock:
+            with self._lock:
+                plan = self.schedule()
+            start_s = self.clock()
+            batch = plan.requests
+            if batch:
+                backend = self._backend or forward  # looked up now, so a wrapped forward is seen
+                try:
+                    tokens = backend(batch)
+                except Exception as e:  # noqa: BLE001 - any backend failure becomes a BackendError
+                    raise BackendError(f"forward raised {type(e).__name__}: {e}",
+                                       [r.request_id for r in batch]) from e
+                self._check_tokens(tokens, batch)
+            else:
+                tokens = []
+            with self._lock:
+                return self.update_from_output(plan, tokens, iteration_start_s=start_s)
+
+    def has_active(self) -> bool:
+        """True while any request is queued, resident (prefilling or decoding) or preempted."""
+        with self._lock:
+            return bool(self.running) or len(self.policy) > 0
+
+    def metrics(self) -> dict[str, Any]:
+        """Serving metrics; see ``metrics.MetricsRecorder.summary`` for every key.
+
+        Returns:
+            A dict with at least ``throughput_tokens_per_sec`` (output tokens per second from
+            the first submit to the last completion), ``avg_latency_s`` and ``p99_latency_s``
+            (``completed_at - submitted_at``, linear-interpolation percentile) and
+            ``gpu_utilization`` (non-empty ticks / ticks), all floats, 0.0 before any finish.
+        """
+        with self._lock:
+            return self.stats.summary(kv_blocks_in_use=self.pool.num_used, kv_cap_blocks=self.kv_cap_blocks,
+                                      waiting=len(self.policy), running=len(self.running))
+
+    # ------------------------------------------------------------ the step, in two halves
+
+    def schedule(self) -> SchedulePlan:
+        """Decide the next iteration without changing any state.
+
+        Running requests first (in admission order): each catches ``num_computed_tokens`` up
+        by a chunk (prefill) or one token (decode) within the token budget, after growing its
+        block table by ``spec.rules.growth_blocks``; when the pool cannot cover the growth,
+        the policy's victim is preempted by recompute (possibly the request itself). Then,
+        unless something was preempted, waiting requests are admitted in the policy's order
+        while ``spec.rules.can_allocate`` holds for their whole prompt plus one slot.
+
+        Returns:
+            The plan. Invariant: applying it keeps ``spec.rules.kv_within_cap``.
+        """
+        free = self.pool.num_free
+        budget = self.token_budget_tokens
+        chunk = self.prefill_chunk_tokens
+        B = self.block_tokens
+        grants: dict[_Seq, list[int]] = {}  # seq -> [num_new_tokens, new_blocks]
+        order: list[_Seq] = []
+        preempted: list[_Seq] = []
+        live = list(self.running)  # resident requests not (yet) preempted in this plan
+        i = 0
+        while i < len(live):
+            seq = live[i]
+            need = rules.growth_blocks(len(seq.block_table), seq.num_tokens, B)
+            preempted_self = False
+            while not rules.can_allocate(free, need):
+                victim = self.policy.choose_victim(live)
+                v = live.index(victim)
+                del live[v]
+                preempted.append(victim)
+                free += len(victim.block_table)
+                if victim in grants:  # an earlier request of this plan: undo its share
+                    n_undo, blocks_undo = grants.pop(victim)
+                    order.remove(victim)
+                    free += blocks_undo
+                    budget += n_undo
+                if victim is seq:
+                    preempted_self = True
+                    break
+                if v < i:
+                    i -= 1
+            if preempted_self:
+                continue  # live[i] is now the next request
+            n = rules.chunk_tokens(seq.num_tokens, seq.num_computed_tokens, chunk, budget)
+            if n > 0:
+                grants[seq] = [n, need]
+                order.append(seq)
+                free -= need
+                budget -= n
+            i += 1
+
+        admitted: list[_Seq] = []
+        if preempted:
+            stop = "preempted"
+        else:
+            stop = "empty"
+            resident = len(live)
+            for seq in self.policy.admission_order():
+                if resident + len(admitted) >= self.max_running:
+                    stop = "max_running"
+                    break
+                if budget <= 0:
+                    stop = "budget"
+                    break
+                need = rules.blocks_needed(seq.num_tokens, B)
+                if not rules.can_allocate(free, need):
+                    stop = "kv"
+                    if self.policy.backfill:
+                        continue
+                    break
+                n = rules.chunk_tokens(seq.num_tokens, 0, chunk, budget)
+                grants[seq] = [n, need]
+                admitted.append(seq)
+                free -= need
+                budget -= n
+        adm = set(admitted)
+        batch = tuple(ScheduledSeq(s, grants[s][0], grants[s][1], s in adm) for s in order + admitted)
+        return SchedulePlan(batch=batch, preempted=tuple(preempted),
+                            num_batched_tokens=sum(s.num_new_tokens for s in batch),
+                            free_blocks_after=free, admission_stop=stop)
+
+    def update_from_output(self, plan: SchedulePlan, tokens: Sequence[int], *,
+                           iteration_start_s: float | None = None) -> list[Request]:
+        """Apply a plan whose iteration returned ``tokens`` (one per ``plan.batch`` entry).
+
+        Preempts, grants blocks, advances ``num_computed_tokens``, appends the token of every
+        request whose last known token was computed (others' tokens are discarded prefill
+        output), stamps ``started_at`` at the first token, and finishes requests on EOS
+        (reason ``stop``), ``max_tokens`` or the cache length (reason ``length``), freeing
+        their blocks in the same tick.
+
+        Args:
+            plan: the plan ``schedule()`` returned, with no state change since.
+            tokens: ``len(plan.batch)`` token ids from ``forward``.
+            iteration_start_s: clock reading before ``forward`` (admission time for queue-time
+                metrics); defaults to the clock now.
+
+        Returns:
+            The requests finished in this iteration, in batch order.
+        """
+        now = self.clock()
+        start_s = now if iteration_start_s is None else iteration_start_s
+        pool = self.pool
+        for seq in plan.preempted:
+            pool.free(seq.block_table)
+            seq.block_table = []
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
+            _EVENTS["preempt"].trigger(seq)
+            self.policy.requeue(seq)
+            self.stats.preemptions += 1
+        gone = set(plan.preempted)
+        finished: list[Request] = []
+        for s, token in zip(plan.batch, tokens):
+            seq = s.seq
+            if s.new_blocks:
+                blocks = pool.allocate(s.new_blocks)
+                assert blocks is not None, "plan granted more blocks than are free"  # schedule() guarantees it
+                seq.block_table.extend(blocks)
+            if s.admitted:
+                self.policy.remove(seq)
+                _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
+                seq.admit_no = self._admissions
+                self._admissions += 1
+                if seq.admitted_s is None:
+                    seq.admitted_s = start_s
+                self.running.append(seq)
+            prompt_part = max(0, min(seq.num_computed_tokens + s.num_new_tokens, seq.num_prompt_tokens)
+                              - seq.num_computed_tokens) if seq.num_preemptions == 0 else 0
+            produced = rules.produces_token(seq.num_computed_tokens, s.num_new_tokens, seq.num_tokens)
+            seq.num_computed_tokens += s.num_new_tokens
+            if not produced:
+                self.policy.on_service(seq, prompt_part, 0)
+                continue
+            req = seq.req
+            req.generated.append(int(token))
+            self.policy.on_service(seq, prompt_part, 1)
+            if req.started_at is None:
+                req.started_at = now
+            elif seq.last_token_s is not None:
+                self.stats.on_itl(now - seq.last_token_s)
+            seq.last_token_s = now
+            reason = None
+            if token == self.eos_token_id:
+                reason = "stop"
+            elif rules.reached_length(len(req.generated), req.max_tokens, seq.num_tokens, self.max_model_len_tokens):
+                reason = "length"
+            if reason is None:
+                if seq.state == lc.PREFILLING:
+                    _EVENTS["prefill_done"].trigger(seq)
+                continue
+            pool.free(seq.block_table)
+            seq.block_table = []
+            seq.finish_reason = reason
+            _EVENTS["finish"].trigger(seq)
+            req.completed_at = now
+            gone.add(seq)
+            self._forget(seq)
+            finished.append(req)
+            self.stats.on_finish(user_id=seq.user_id, reason=reason, submitted_s=req.submitted_at,
+                                 first_token_s=req.started_at, admitted_s=seq.admitted_s, completed_s=now,
+                                 prompt_tokens=seq.num_prompt_tokens, output_tokens=len(req.generated))
+        if gone:
+            self.running = [s for s in self.running if s not in gone]
+        self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)
+        return finished
+
+    # ------------------------------------------------------------ helpers
+
+    def _forget(self, seq: _Seq) -> None:
+        self._by_obj.pop(id(seq.req), None)
+        if seq.req.request_id and self._by_id.get(seq.req.request_id) is seq:
+            del self._by_id[seq.req.request_id]
+
+    def _validate(self, request: Any) -> int:
+        """Check a request at submit; return its prompt length in tokens."""
+        if not isinstance(request, Request) and not all(
+                hasattr(request, a) for a in ("user_id", "prompt", "max_tokens", "request_id", "generated")):
+            raise InvalidRequestError(f"expected an inference_stub.Request, got {type(request).__name__}")
+        if not isinstance(request.user_id, str) or not request.user_id:
+            raise InvalidRequestError(f"user_id must be a non-empty str, got {request.user_id!r}")
+        if not isinstance(request.request_id, str):
+            raise InvalidRequestError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        mt = request.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {mt!r}")
+        prompt = request.prompt
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise InvalidRequestError("prompt must be a non-empty list of token ids")
+        hi = self.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (hi is not None and t >= hi):
+                raise InvalidRequestError(
+                    f"prompt token ids must be ints in 0..{'' if hi is None else hi - 1}, got {t!r}")
+        if not isinstance(request.generated, list) or request.generated:
+            raise InvalidRequestError("generated must be an empty list at submit")
+        n = len(prompt)
+        if not rules.prompt_fits(n, self.kv_cap_blocks, self.block_tokens):
+            raise PromptTooLongError(
+                f"prompt of {n} tokens needs {rules.blocks_needed(n, self.block_tokens)} KV blocks of "
+                f"{self.block_tokens} tokens with its first output token, but the cache holds "
+                f"{self.kv_cap_blocks} blocks (prompt must be < {self.max_model_len_tokens} tokens)")
+        if id(request) in self._by_obj:
+            raise DuplicateRequestError(f"this Request object (request_id={request.request_id!r}) is already in flight")
+        if request.request_id and request.request_id in self._by_id:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
+        return n
+
+    @staticmethod
+    def _check_tokens(tokens: Any, batch: list[Request]) -> None:
+        ids = [r.request_id for r in batch]
+        if not isinstance(tokens, (list, tuple)) or len(tokens) != len(batch):
+            n = len(tokens) if isinstance(tokens, (list, tuple)) else type(tokens).__name__
+            raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}", ids)
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise BackendError(f"forward returned a non-int token {t!r}", ids)
+
+    # ------------------------------------------------------------ introspection
+
+    def check_integrity(self) -> None:
+        """Check the KV ledger against every block table and each request's state.
+
+        Raises:
+            AssertionError: naming the broken property. Cheap enough to call after every tick
+                in tests; ``kv_cache.BlockPoolError`` from the pool's own check.
+        """
+        with self._lock:
+            self.pool.check([s.block_table for s in self.running])
+            held = [len(s.block_table) for s in self.running]
+            assert rules.ledger_consistent(self.pool.num_free, held, self.kv_cap_blocks), "ledger_consistent"
+            assert rules.kv_within_cap(self.pool.num_used, self.kv_cap_blocks), "kv_within_cap"
+            for s in self.running:
+                assert s.state in lc.RESIDENT_STATES, f"{s.request_id}: running but {s.state}"
+                assert rules.resident_covered(len(s.block_table), s.num_tokens, self.block_tokens), \
+                    f"{s.request_id}: holds {len(s.block_table)} blocks for {s.num_tokens} tokens"
+                assert s.num_computed_tokens <= s.num_tokens, f"{s.request_id}: num_computed_tokens > num_tokens"
+
+
+def _positive(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return v
+

@@ -1,0 +1,70 @@
+"""A tiny logic namespace that works on Python ints/bools and on z3 terms alike.
+
+Rules and invariants in ``spec/`` are written with ``+ - * <= ==`` and these helpers only, so
+the same function runs on plain integers inside the scheduler and on ``z3.Int`` terms inside
+the proofs. Python's ``and``, ``or``, ``if`` and ``//`` raise on z3 terms; these do not.
+z3 is imported lazily, so the runtime scheduler does not need it installed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _is_z3(*xs: Any) -> bool:
+    return any(type(x).__module__.startswith("z3") for x in xs)
+
+
+def _z3():
+    import z3  # noqa: PLC0415 - only needed when a z3 term is passed
+
+    return z3
+
+
+def And(*xs: Any) -> Any:
+    """Conjunction of booleans or z3 formulas."""
+    return _z3().And(*xs) if _is_z3(*xs) else all(xs)
+
+
+def Or(*xs: Any) -> Any:
+    """Disjunction of booleans or z3 formulas."""
+    return _z3().Or(*xs) if _is_z3(*xs) else any(xs)
+
+
+def Not(x: Any) -> Any:
+    """Negation."""
+    return _z3().Not(x) if _is_z3(x) else not x
+
+
+def Implies(a: Any, b: Any) -> Any:
+    """``a`` implies ``b``."""
+    return _z3().Implies(a, b) if _is_z3(a, b) else (not a) or bool(b)
+
+
+def If(c: Any, a: Any, b: Any) -> Any:
+    """``a`` if ``c`` else ``b`` (both branches are evaluated)."""
+    return _z3().If(c, a, b) if _is_z3(c, a, b) else (a if c else b)
+
+
+def Min(a: Any, b: Any) -> Any:
+    """The smaller of two integers."""
+    return If(a <= b, a, b)
+
+
+def Max(a: Any, b: Any) -> Any:
+    """The larger of two integers."""
+    return If(a >= b, a, b)
+
+
+def cdiv(a: Any, b: Any) -> Any:
+    """Ceiling division ``ceil(a / b)`` for ``a >= 0`` and ``b > 0``."""
+    if _is_z3(a, b):
+        return (a + b - 1) / b  # z3 integer division; exact for a >= 0, b > 0
+    return -(-a // b)
+
+
+def Sum(xs: Any) -> Any:
+    """Sum of a sequence of integers or z3 terms (0 when empty)."""
+    total: Any = 0
+    for x in xs:
+        total = total + x
+    return total
