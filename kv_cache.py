@@ -84,6 +84,19 @@ class BlockPool:
             self._is_free[b] = 1
         self._free.extend(reversed(blocks))
 
+    def reclaim(self, blocks: list[int]) -> None:
+        """Take back these exact free block ids (undo of a ``free``, for rollback).
+
+        Raises:
+            BlockPoolError: a block is not free; nothing is taken then.
+        """
+        if any(not (0 <= b < self.num_blocks) or not self._is_free[b] for b in blocks):
+            raise BlockPoolError(f"cannot reclaim {blocks}: not all free")
+        want = set(blocks)
+        self._free = [b for b in self._free if b not in want]
+        for b in blocks:
+            self._is_free[b] = 0
+
     def check(self, held: list[list[int]] | None = None) -> None:
         """Integrity check: the free list and the free map agree; with ``held`` (every block table),
         every block is either free or held by exactly one table.

@@ -280,18 +280,22 @@ class Scheduler:
         with self._tick_lock:
             with self._lock:
                 plan = self.schedule()
+                journal = self._commit_blocks(plan)
             start_s = self.clock()
             batch = plan.requests
+            tokens: Sequence[int] = []
             if batch:
                 backend = self._backend or forward  # looked up now, so a wrapped forward is seen
                 try:
                     tokens = backend(batch)
-                except Exception as e:  # noqa: BLE001 - any backend failure becomes a BackendError
+                    self._check_tokens(tokens, batch)
+                except Exception as e:  # noqa: BLE001 - any backend failure undoes the tick
+                    with self._lock:
+                        self._rollback_blocks(journal)
+                    if isinstance(e, BackendError):
+                        raise
                     raise BackendError(f"forward raised {type(e).__name__}: {e}",
                                        [r.request_id for r in batch]) from e
-                self._check_tokens(tokens, batch)
-            else:
-                tokens = []
             with self._lock:
                 return self.update_from_output(plan, tokens, iteration_start_s=start_s)
 
@@ -397,11 +401,44 @@ class Scheduler:
                             num_batched_tokens=sum(s.num_new_tokens for s in batch),
                             free_blocks_after=free, admission_stop=stop)
 
+    def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
+        """Before ``forward``: free the victims' blocks and grant the plan's blocks.
+
+        Afterwards every request in ``plan.batch`` holds its final block table for this
+        iteration (what a paged backend reads). Returns the undo journal for
+        ``_rollback_blocks``: ``(seq, block table before)`` per changed request.
+        """
+        journal: list[tuple[_Seq, list[int]]] = []
+        for seq in plan.preempted:
+            journal.append((seq, seq.block_table))
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+        for s in plan.batch:
+            if s.new_blocks:
+                blocks = self.pool.allocate(s.new_blocks)
+                if blocks is None:  # schedule() budgets free blocks exactly; this is a bug
+                    self._rollback_blocks(journal)
+                    raise AssertionError(f"plan granted {s.new_blocks} blocks, {self.pool.num_free} free")
+                journal.append((s.seq, s.seq.block_table))
+                s.seq.block_table = s.seq.block_table + blocks
+        return journal
+
+    def _rollback_blocks(self, journal: list[tuple[_Seq, list[int]]]) -> None:
+        """Undo ``_commit_blocks``: return granted blocks, give victims back their exact block ids."""
+        for seq, before in reversed(journal):  # grants come after preemptions: undo them first
+            current = seq.block_table
+            if len(current) > len(before):
+                self.pool.free(current[len(before):])  # a grant: return the added tail
+            else:
+                self.pool.reclaim(before)  # a victim: its exact block ids are free again
+            seq.block_table = before
+
     def update_from_output(self, plan: SchedulePlan, tokens: Sequence[int], *,
                            iteration_start_s: float | None = None) -> list[Request]:
         """Apply a plan whose iteration returned ``tokens`` (one per ``plan.batch`` entry).
 
-        Preempts, grants blocks, advances ``num_computed_tokens``, appends the token of every
+        Expects ``_commit_blocks(plan)`` to have run (``tick()`` does both). Moves the
+        preempted to the waiting queue, admits, advances ``num_computed_tokens``, appends the token of every
         request whose last known token was computed (others' tokens are discarded prefill
         output), stamps ``started_at`` at the first token, and finishes requests on EOS
         (reason ``stop``), ``max_tokens`` or the cache length (reason ``length``), freeing
@@ -419,9 +456,7 @@ class Scheduler:
         now = self.clock()
         start_s = now if iteration_start_s is None else iteration_start_s
         pool = self.pool
-        for seq in plan.preempted:
-            pool.free(seq.block_table)
-            seq.block_table = []
+        for seq in plan.preempted:  # blocks were freed by _commit_blocks
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
             _EVENTS["preempt"].trigger(seq)
@@ -431,10 +466,6 @@ class Scheduler:
         finished: list[Request] = []
         for s, token in zip(plan.batch, tokens):
             seq = s.seq
-            if s.new_blocks:
-                blocks = pool.allocate(s.new_blocks)
-                assert blocks is not None, "plan granted more blocks than are free"  # schedule() guarantees it
-                seq.block_table.extend(blocks)
             if s.admitted:
                 self.policy.remove(seq)
                 _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
