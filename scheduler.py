@@ -30,14 +30,18 @@ from metrics import MetricsRecorder
 from policy import FCFSPolicy, Policy
 from spec import lifecycle as lc
 from spec import rules
+from spec.invariants import InvariantChecker, InvariantViolation
 
 __all__ = ["Scheduler", "SchedulePlan", "ScheduledSeq", "RequestError", "InvalidRequestError",
-           "PromptTooLongError", "DuplicateRequestError", "BackendError", "forward", "Request"]
+           "PromptTooLongError", "DuplicateRequestError", "BackendError", "forward", "Request",
+           "InvariantViolation"]
 
 #: Prefill chunk: prompts longer than this are prefilled over several iterations (tokens).
 PREFILL_CHUNK_TOKENS = 64
 #: Default most requests resident at once (vLLM's ``max_num_seqs``).
 MAX_RUNNING_REQUESTS = 256
+#: Default of ``Scheduler(check_invariants=None)``; the test suite turns it on (``tests/conftest.py``).
+CHECK_INVARIANTS = False
 
 #: The one shared lifecycle machine; records are never registered with it.
 MACHINE = lc.new_machine()
@@ -187,6 +191,9 @@ class Scheduler:
             at every call.
         policy: admission and victim policy (``FCFSPolicy``).
         record_itl: keep per-token gaps for ITL percentiles (see ``MetricsRecorder``).
+        check_invariants: evaluate every ``spec.invariants`` predicate after every tick and
+            raise ``InvariantViolation`` naming the property (O(requests) per tick; default
+            ``CHECK_INVARIANTS``).
 
     Raises:
         ValueError: a knob is not a positive int.
@@ -210,6 +217,7 @@ class Scheduler:
         backend: Callable[[list[Request]], list[int]] | None = None,
         policy: Policy | None = None,
         record_itl: bool = True,
+        check_invariants: bool | None = None,
     ) -> None:
         stub = inference_stub
         self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
@@ -235,6 +243,8 @@ class Scheduler:
         self._lock = threading.RLock()
         self._tick_lock = threading.Lock()  # one tick at a time; forward runs outside self._lock
         self.stats = MetricsRecorder(record_itl=record_itl)
+        on = CHECK_INVARIANTS if check_invariants is None else check_invariants
+        self._checker: InvariantChecker | None = InvariantChecker() if on else None
 
     # ------------------------------------------------------------ the contract
 
@@ -276,6 +286,8 @@ class Scheduler:
         Raises:
             BackendError: ``forward`` raised or returned a wrong number of tokens or a
                 non-int; the tick is not applied, so calling ``tick()`` again retries it.
+            InvariantViolation: with ``check_invariants``, a spec invariant failed after the
+                tick (a scheduler bug; the tick was applied).
         """
         with self._tick_lock:
             with self._lock:
@@ -286,6 +298,8 @@ class Scheduler:
             tokens: Sequence[int] = []
             if batch:
                 backend = self._backend or forward  # looked up now, so a wrapped forward is seen
+                if self._checker is not None:
+                    backend = self._checker.count_forward(backend)
                 try:
                     tokens = backend(batch)
                     self._check_tokens(tokens, batch)
@@ -297,7 +311,10 @@ class Scheduler:
                     raise BackendError(f"forward raised {type(e).__name__}: {e}",
                                        [r.request_id for r in batch]) from e
             with self._lock:
-                return self.update_from_output(plan, tokens, iteration_start_s=start_s)
+                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
+                if self._checker is not None:
+                    self._checker.after_tick(self, plan, finished)
+                return finished
 
     def has_active(self) -> bool:
         """True while any request is queued, resident (prefilling or decoding) or preempted."""

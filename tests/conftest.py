@@ -12,7 +12,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import inference_stub  # noqa: E402
+import scheduler  # noqa: E402
 from inference_stub import Request  # noqa: E402
+
+# Every Scheduler the tests build evaluates the spec invariants after every tick
+# (spec/invariants.py) and raises InvariantViolation naming the property.
+scheduler.CHECK_INVARIANTS = True
 
 
 def make_req(rid: str, user: str = "u1", n_prompt: int = 10, max_tokens: int = 5) -> Request:

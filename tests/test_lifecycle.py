@@ -9,7 +9,7 @@ from scheduler import (BackendError, DuplicateRequestError, InvalidRequestError,
 
 
 def new(backend=None, **kw):
-    return Scheduler(backend=backend or ScriptedBackend(), clock=StepClock(), **kw)
+    return Scheduler(backend=backend or ScriptedBackend(), clock=StepClock(), check_invariants=True, **kw)
 
 
 @pytest.mark.parametrize("n_prompt, chunks", [(1, 1), (63, 1), (64, 1), (65, 2), (128, 2), (192, 3), (200, 4)])
