@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
 from spec import lifecycle as lc
-from spec.logic import And, Implies, Or, Sum
+from spec.logic import And, Implies, Not, Or, Sum
 from spec.rules import blocks_for, kv_within_cap, ledger_consistent, resident_covered
 
 Int = Any  # a Python int or a z3 integer term
@@ -29,7 +29,8 @@ __all__ = ["STATE_CODE", "ABSENT", "InvariantViolation", "InvariantChecker", "ch
            "waiting_holds_nothing", "final_holds_nothing", "exactly_one_state", "state_agrees",
            "computed_within_known", "resident_has_work", "generated_within_max", "live_below_limits",
            "none_after_eos", "chunk_within_limit", "batch_within_budget", "batch_kv_within_cap",
-           "one_forward_per_tick", "one_token_per_tick", "request_ok"]
+           "one_forward_per_tick", "one_token_per_tick", "request_invariants", "request_ok", "fcfs_order",
+           "arrival_ordered"]
 
 #: Integer codes of the lifecycle states (0 is "not submitted yet", used by the models only).
 ABSENT = 0
@@ -138,23 +139,53 @@ def none_after_eos(num_generated: Int, eos_position: Int, finished: Bool) -> Boo
     return Implies(eos_position > 0, And(num_generated == eos_position, finished))
 
 
-def request_ok(st: Int, num_prompt_tokens: Int, num_generated: Int, num_computed_tokens: Int, held_blocks: Int,
-               max_tokens: Int, eos_position: Int, block_tokens: Int, max_model_len_tokens: Int) -> Bool:
-    """Every per-request invariant for a request in state code ``st`` (a known state)."""
+def request_invariants(st: Int, num_prompt_tokens: Int, num_generated: Int, num_computed_tokens: Int,
+                       held_blocks: Int, max_tokens: Int, eos_position: Int, block_tokens: Int,
+                       max_model_len_tokens: Int) -> list[tuple[str, Bool]]:
+    """Every per-request invariant for a request in state code ``st``, as ``(name, predicate)``."""
     n = num_prompt_tokens + num_generated
     live = Or(is_waiting(st), is_resident(st))
-    return And(
-        num_prompt_tokens >= 1,
-        computed_within_known(num_computed_tokens, n),
-        generated_within_max(num_generated, max_tokens),
-        none_after_eos(num_generated, eos_position, is_final(st)),
-        Implies(live, live_below_limits(num_generated, max_tokens, n, max_model_len_tokens)),
-        Implies(is_resident(st), And(resident_covered(held_blocks, n, block_tokens),
-                                     resident_has_work(num_computed_tokens, n))),
-        Implies(is_waiting(st), waiting_holds_nothing(held_blocks, num_computed_tokens)),
-        Implies(st == _Q, num_generated == 0),
-        Implies(is_final(st), final_holds_nothing(held_blocks)),
-    )
+    return [
+        ("prompt_nonempty", num_prompt_tokens >= 1),
+        ("computed_within_known", computed_within_known(num_computed_tokens, n)),
+        ("generated_within_max", generated_within_max(num_generated, max_tokens)),
+        ("none_after_eos", none_after_eos(num_generated, eos_position, is_final(st))),
+        ("live_below_limits", Implies(live, live_below_limits(num_generated, max_tokens, n, max_model_len_tokens))),
+        ("resident_covered", Implies(is_resident(st), resident_covered(held_blocks, n, block_tokens))),
+        ("resident_has_work", Implies(is_resident(st), resident_has_work(num_computed_tokens, n))),
+        ("waiting_holds_nothing", Implies(is_waiting(st), waiting_holds_nothing(held_blocks, num_computed_tokens))),
+        ("queued_never_ran", Implies(st == _Q, num_generated == 0)),
+        ("final_holds_nothing", Implies(is_final(st), final_holds_nothing(held_blocks))),
+    ]
+
+
+def request_ok(st: Int, num_prompt_tokens: Int, num_generated: Int, num_computed_tokens: Int, held_blocks: Int,
+               max_tokens: Int, eos_position: Int, block_tokens: Int, max_model_len_tokens: Int) -> Bool:
+    """The conjunction of ``request_invariants``."""
+    return And(*(p for _, p in request_invariants(st, num_prompt_tokens, num_generated, num_computed_tokens,
+                                                  held_blocks, max_tokens, eos_position, block_tokens,
+                                                  max_model_len_tokens)))
+
+
+# ---------------------------------------------------------------- FCFS order (FCFSPolicy only)
+
+
+def fcfs_order(states: Sequence[Int]) -> Bool:
+    """Under ``FCFSPolicy``, with requests listed by arrival: no waiting request arrived before
+    a running one, and no unsubmitted (``ABSENT``) one before a submitted one.
+
+    It holds because admission moves the head of the waiting queue to the tail of the running
+    list and preemption moves the tail of the running list to the head of the queue.
+    """
+    n = len(states)
+    return And(*(Not(And(is_waiting(states[i]), is_resident(states[j]))) for i in range(n) for j in range(i + 1, n)),
+               *(Implies(states[i] == ABSENT, states[j] == ABSENT) for i in range(n) for j in range(i + 1, n)))
+
+
+def arrival_ordered(arrival_nos: Sequence[Int]) -> Bool:
+    """Strictly increasing: under ``FCFSPolicy`` the running list followed by the waiting queue
+    is sorted by arrival (so the models may process requests in arrival order)."""
+    return And(*(arrival_nos[i] < arrival_nos[i + 1] for i in range(len(arrival_nos) - 1)))
 
 
 # ---------------------------------------------------------------- one iteration
@@ -181,9 +212,9 @@ def one_forward_per_tick(num_forward_calls: Int) -> Bool:
     return And(0 <= num_forward_calls, num_forward_calls <= 1)
 
 
-def one_token_per_tick(delta_generated: Int, in_batch: Int) -> Bool:
+def one_token_per_tick(delta_generated: Int, in_batch: Bool) -> Bool:
     """A request gains at most one output token per tick, and only if it was in the batch."""
-    return And(0 <= delta_generated, delta_generated <= in_batch)
+    return And(0 <= delta_generated, delta_generated <= 1, Implies(Not(in_batch), delta_generated == 0))
 
 
 # ---------------------------------------------------------------- runtime checking
@@ -361,7 +392,7 @@ class InvariantChecker:
         kv_at_forward = []
         for s in (*sched._by_obj.values(), *done):
             delta = len(s.req.generated) - before.get(id(s), 0)
-            if not one_token_per_tick(delta, 1 if id(s) in in_batch else 0):
+            if not one_token_per_tick(delta, id(s) in in_batch):
                 fail("one_token_per_tick", f"{s.request_id}: {delta} tokens this tick, in batch: {id(s) in in_batch}")
             if id(s) in in_batch:
                 kv_at_forward.append(blocks_for(s.num_tokens - delta, sched.block_tokens))

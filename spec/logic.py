@@ -42,6 +42,8 @@ def Implies(a: Any, b: Any) -> Any:
 
 def If(c: Any, a: Any, b: Any) -> Any:
     """``a`` if ``c`` else ``b`` (both branches are evaluated)."""
+    if type(a) is int and type(b) is int and a == b:
+        return a  # no term needed (z3 would guess its sort: Int, even among bit-vectors)
     return _z3().If(c, a, b) if _is_z3(c, a, b) else (a if c else b)
 
 
@@ -58,6 +60,9 @@ def Max(a: Any, b: Any) -> Any:
 def cdiv(a: Any, b: Any) -> Any:
     """Ceiling division ``ceil(a / b)`` for ``a >= 0`` and ``b > 0``."""
     if _is_z3(a, b):
+        z3 = _z3()
+        if z3.is_bv(a) and type(b) is int and b > 0 and b & (b - 1) == 0:
+            return (a + b - 1) >> (b.bit_length() - 1)  # arithmetic shift: floor, as for ints
         return (a + b - 1) / b  # z3 integer division; exact for a >= 0, b > 0
     return -(-a // b)
 
@@ -68,3 +73,14 @@ def Sum(xs: Any) -> Any:
     for x in xs:
         total = total + x
     return total
+
+
+def lift(value: int, like: Any) -> Any:
+    """The integer ``value`` as a term of ``like``'s sort (a plain int when ``like`` is one).
+
+    Keeps a model in one sort: ``If(c, 1, 0)`` would be a z3 ``Int`` even among bit-vectors.
+    """
+    if not _is_z3(like):
+        return value
+    z3 = _z3()
+    return z3.BitVecVal(value, like.size()) if z3.is_bv(like) else z3.IntVal(value)

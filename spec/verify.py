@@ -1,0 +1,690 @@
+"""Machine-checked properties of the scheduler: z3 proofs over ``spec/model.py``.
+
+Run ``python -m spec.verify`` (``make verify``); ``--list`` names the checks, ``--only NAME``
+runs some, ``--help`` shows the bounds. Each check prints its property, its bound or depth,
+its result (``proved``, or ``counterexample`` with a replayable program) and its time; the
+exit status is 1 when any check did not prove its property.
+
+The checks are a registry (``CHECKS``): add one by decorating a function
+``f(opts: Options) -> Outcome`` with ``@register(name, property)``, in this module or in a
+module listed in ``PLUGINS`` (imported when present). The fairness proofs (the VTC counter
+gap and the aging bound) are meant to be added that way.
+
+Every check asks z3 for a counterexample to ``assumptions -> property`` and expects
+``unsat``; each also checks that the assumptions alone are satisfiable (``sat``), so a proof
+cannot hold vacuously.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Sequence
+
+from spec import lifecycle as lc
+from spec import model
+from spec.invariants import ABSENT, STATE_CODE, fcfs_order, is_final, is_resident, is_waiting
+from spec.logic import And, If, Implies, Not, Or, Sum
+from spec.model import Cfg, Choices, Req
+
+#: Modules that register more checks when imported (skipped when absent).
+PLUGINS: tuple[str, ...] = ("spec.verify_fairness",)
+
+CODE_STATE = {v: k for k, v in STATE_CODE.items()} | {ABSENT: "absent"}
+
+
+def _z3():
+    import z3  # noqa: PLC0415 - the runtime scheduler never needs z3
+
+    return z3
+
+
+# ---------------------------------------------------------------- options and results
+
+
+@dataclass(frozen=True)
+class Options:
+    """Bounds of the checks (all sizes are small on purpose: every check runs in seconds).
+
+    Attributes:
+        block_tokens: ``B`` in the inductive proofs (the cap, chunk, budget and max_running
+            are symbolic there: any positive integers).
+        tick_slots: requests in flight (running or waiting) in the whole-tick proof.
+        bmc_requests: requests submitted over a bounded run. bmc_depth: ticks in a bounded run.
+        bmc_cap_blocks, bmc_block_tokens, bmc_chunk_tokens, bmc_budget_tokens, bmc_max_running:
+            the knobs of bounded runs (concrete, small, so memory pressure is frequent).
+        bmc_max_tokens: largest ``max_tokens`` in bounded runs (prompts: any admissible length).
+        progress_chunks: ``(prefill_chunk_tokens, token_budget_tokens)`` pairs for the
+            unbounded no-starvation proof (concrete, so ``ceil(x / chunk)`` stays linear).
+        timeout_s: per z3 query; ``unknown`` after it.
+    """
+
+    block_tokens: int = 16
+    tick_slots: int = 4
+    bmc_requests: int = 3
+    bmc_depth: int = 5
+    bmc_cap_blocks: int = 3
+    bmc_block_tokens: int = 2
+    bmc_chunk_tokens: int = 2
+    bmc_budget_tokens: int = 4
+    bmc_max_running: int = 256
+    bmc_max_tokens: int = 3
+    progress_chunks: tuple[tuple[int, int], ...] = ((64, 4096), (4, 3), (3, 5))
+    timeout_s: float = 120.0
+
+    def bmc_cfg(self) -> Cfg:
+        return Cfg(self.bmc_cap_blocks, self.bmc_block_tokens, self.bmc_chunk_tokens, self.bmc_budget_tokens,
+                   self.bmc_max_running)
+
+
+@dataclass
+class Trace:
+    """A replayable bounded run: requests submitted before given ticks, then ``ticks`` ticks.
+
+    Attributes:
+        cfg: ``Scheduler`` keyword arguments. requests: ``(tick, request_id, prompt_tokens,
+            max_tokens, eos_at)`` (``eos_at``: the backend returns EOS as that output token,
+            0 never). ticks: ticks to run. violated: names of the violated properties.
+        expect: what the replay should show (for example ``"r2 not finished after tick 7"``).
+        states: per tick, the model's view ``request_id: state g/nc/h``, for reading.
+    """
+
+    cfg: dict[str, int]
+    requests: list[tuple[int, str, int, int, int]]
+    ticks: int
+    violated: list[str]
+    expect: str = ""
+    states: list[str] = field(default_factory=list)
+
+    def program(self) -> str:
+        """Python source that replays the run on the real ``Scheduler`` (runtime checks on)."""
+        arrivals: dict[int, list] = {}
+        for t, rid, p, m, _ in self.requests:
+            arrivals.setdefault(t, []).append((rid, p, m))
+        eos = {rid: e for _, rid, _, _, e in self.requests if e}
+        knobs = ", ".join(f"{k}={v}" for k, v in self.cfg.items())
+        return "\n".join([
+            "from inference_stub import Request",
+            "from scheduler import Scheduler",
+            "from spec.verify import EosBackend",
+            f"sched = Scheduler({knobs}, backend=EosBackend({eos!r}), check_invariants=True)",
+            f"arrivals = {arrivals!r}  # tick -> [(request_id, prompt_tokens, max_tokens)]",
+            f"for t in range({self.ticks}):",
+            "    for rid, p, m in arrivals.get(t, []):",
+            "        sched.submit(Request(user_id='u-' + rid, prompt=[1] * p, max_tokens=m, request_id=rid))",
+            "    for r in sched.tick():",
+            "        print('tick', t, 'finished', r.request_id, len(r.generated))",
+        ])
+
+    def replay(self, **scheduler_kwargs: Any) -> dict[str, Any]:
+        """Run the trace on the real ``Scheduler`` (``check_invariants=True``).
+
+        Returns:
+            ``{"finished": {request_id: tick}, "error": exception or None, "scheduler": ...}``;
+            an exception (``InvariantViolation``, a failed assertion) stops the run.
+        """
+        from inference_stub import Request  # noqa: PLC0415
+        from scheduler import Scheduler  # noqa: PLC0415
+
+        eos = {rid: e for _, rid, _, _, e in self.requests if e}
+        kw = dict(self.cfg, backend=EosBackend(eos), check_invariants=True) | scheduler_kwargs
+        sched = Scheduler(**kw)
+        finished: dict[str, int] = {}
+        try:
+            for t in range(self.ticks):
+                for ta, rid, p, m, _ in self.requests:
+                    if ta == t:
+                        sched.submit(Request(user_id="u-" + rid, prompt=[1] * p, max_tokens=m, request_id=rid))
+                for r in sched.tick():
+                    finished[r.request_id] = t
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            return {"finished": finished, "error": e, "scheduler": sched}
+        return {"finished": finished, "error": None, "scheduler": sched}
+
+    def __str__(self) -> str:
+        lines = [f"violated: {', '.join(self.violated)}"]
+        if self.expect:
+            lines.append(f"expect: {self.expect}")
+        lines += ["trace (model view per tick, request: state generated/computed/blocks):"]
+        lines += [f"  {s}" for s in self.states]
+        lines += ["replay:"] + [f"  {x}" for x in self.program().splitlines()]
+        return "\n".join(lines)
+
+
+@dataclass
+class StateCounterexample:
+    """A state satisfying the invariant from which one step breaks it (it may be unreachable:
+    the bounded checks search reachable states)."""
+
+    step: str
+    violated: list[str]
+    values: dict[str, Any]
+
+    def __str__(self) -> str:
+        body = "\n".join(f"  {k} = {v}" for k, v in self.values.items())
+        return f"step: {self.step}\nviolated: {', '.join(self.violated)}\nstate before the step:\n{body}"
+
+
+@dataclass
+class Outcome:
+    """What a check function returns. ``status``: ``proved``, ``counterexample`` or ``unknown``."""
+
+    status: str
+    bound: str
+    detail: str = ""
+    counterexample: Trace | StateCounterexample | None = None
+
+
+@dataclass
+class Result:
+    """One check's printed record."""
+
+    name: str
+    property: str
+    outcome: Outcome
+    time_s: float
+
+    @property
+    def proved(self) -> bool:
+        return self.outcome.status == "proved"
+
+    def __str__(self) -> str:
+        o = self.outcome
+        head = (f"[{o.status}] {self.name} ({self.time_s:.2f} s)\n  property: {self.property}\n"
+                f"  bound: {o.bound}")
+        if o.detail:
+            head += f"\n  {o.detail}"
+        if o.counterexample is not None:
+            head += "\n" + "\n".join("  " + x for x in str(o.counterexample).splitlines())
+        return head
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    property: str
+    run: Callable[[Options], Outcome]
+
+
+#: The registry, in registration order.
+CHECKS: dict[str, Check] = {}
+
+
+def register(name: str, prop: str) -> Callable[[Callable[[Options], Outcome]], Callable[[Options], Outcome]]:
+    """Decorator: add ``f(opts) -> Outcome`` to ``CHECKS`` under ``name`` with its property."""
+    def deco(f: Callable[[Options], Outcome]) -> Callable[[Options], Outcome]:
+        CHECKS[name] = Check(name, prop, f)
+        return f
+    return deco
+
+
+class EosBackend:
+    """A deterministic backend for replays: EOS as the ``eos_at[request_id]``-th output token,
+    token 1 otherwise (the same behaviour the models give the backend)."""
+
+    def __init__(self, eos_at: dict[str, int]) -> None:
+        self.eos_at = dict(eos_at)
+
+    def __call__(self, batch: list) -> list[int]:
+        return [0 if self.eos_at.get(r.request_id) == len(r.generated) + 1 else 1 for r in batch]
+
+
+# ---------------------------------------------------------------- z3 plumbing
+
+
+def _solve(constraints: Sequence[Any], timeout_s: float) -> tuple[str, Any]:
+    """``("sat", model)``, ``("unsat", None)`` or ``("unknown", reason)``."""
+    z3 = _z3()
+    s = z3.Solver()
+    s.set("timeout", int(timeout_s * 1000))
+    s.add(*constraints)
+    r = s.check()
+    if r == z3.sat:
+        return "sat", s.model()
+    if r == z3.unsat:
+        return "unsat", None
+    return "unknown", s.reason_unknown()
+
+
+def _val(m: Any, t: Any) -> Any:
+    z3 = _z3()
+    if isinstance(t, (bool, int)):
+        return t
+    v = m.eval(t, model_completion=True)
+    return z3.is_true(v) if z3.is_bool(v) else v.as_long()
+
+
+def _sym_req(tag: str) -> Req:
+    z3 = _z3()
+    return Req(*(z3.Int(f"{f.name}_{tag}") for f in fields(Req)))
+
+
+def _sym_cfg(block_tokens: int) -> Cfg:
+    z3 = _z3()
+    return Cfg(z3.Int("cap_blocks"), block_tokens, z3.Int("chunk_tokens"), z3.Int("budget_tokens"),
+               z3.Int("max_running"))
+
+
+def _req_values(m: Any, r: Req) -> str:
+    st = CODE_STATE.get(_val(m, r.st), _val(m, r.st))
+    return (f"{st}: prompt {_val(m, r.P)}, generated {_val(m, r.g)}, computed {_val(m, r.nc)}, "
+            f"blocks {_val(m, r.h)}, max_tokens {_val(m, r.M)}, eos_at {_val(m, r.E)}")
+
+
+def _cfg_values(m: Any, cfg: Cfg) -> dict[str, Any]:
+    return {"cap_blocks": _val(m, cfg.cap_blocks), "block_tokens": cfg.block_tokens,
+            "prefill_chunk_tokens": _val(m, cfg.chunk_tokens), "token_budget_tokens": _val(m, cfg.budget_tokens),
+            "max_running": _val(m, cfg.max_running)}
+
+
+def _prove(assumptions: Sequence[Any], goals: Sequence[tuple[str, Any]], timeout_s: float,
+           split: bool = True) -> tuple[str, Any]:
+    """Check ``assumptions`` are satisfiable, then that they imply every goal.
+
+    With ``split``, one goal at a time on one incremental solver (much faster for a single
+    step with many goals); without, one query for the disjunction of the negated goals
+    (faster for bounded runs, whose goals share the whole unrolling).
+
+    Returns:
+        ``("proved", None)``, ``("vacuous", None)``, ``("unknown", reason)`` or
+        ``("counterexample", (model, [names of the goals false in it]))``.
+    """
+    z3 = _z3()
+    if not split:  # fresh, non-incremental solvers: z3 then bit-blasts bit-vectors to SAT
+        r, info = _solve(assumptions, timeout_s)
+        if r != "sat":
+            return ("vacuous", None) if r == "unsat" else ("unknown", info)
+        r, m = _solve([*assumptions, Or(*(Not(g) for _, g in goals))], timeout_s)
+        if r == "sat":
+            return "counterexample", (m, [n for n, g in goals if not _val(m, g)])
+        return ("proved", None) if r == "unsat" else ("unknown", m)
+    s = z3.Solver()
+    s.set("timeout", int(timeout_s * 1000))
+    s.add(*assumptions)
+    r = s.check()
+    if r == z3.unsat:
+        return "vacuous", None
+    if r != z3.sat:
+        return "unknown", s.reason_unknown()
+    for name, g in goals:
+        if isinstance(g, bool):
+            if g:
+                continue
+            s.check()
+            return "counterexample", (s.model(), [name])
+        s.push()
+        s.add(Not(g))
+        r = s.check()
+        if r == z3.sat:
+            m = s.model()
+            return "counterexample", (m, [n for n, h in goals if not _val(m, h)])
+        s.pop()
+        if r != z3.unsat:
+            return "unknown", f"{name}: {s.reason_unknown()}"
+    return "proved", None
+
+
+# ---------------------------------------------------------------- (a) KV cap, per transition
+
+
+@register("kv_cap_per_transition",
+          "kv_within_cap, by the inductive invariant Inv (exact ledger, every request valid): for every "
+          "transition of the lifecycle table and every internal step (chunk, decode), "
+          "Inv and guard and effect imply Inv' and the step's facts (chunk <= 64, budget, one token)")
+def check_kv_cap_per_transition(opts: Options) -> Outcome:
+    """One request steps; every other request is summarised by the blocks it holds (``rest``)."""
+    z3 = _z3()
+    cfg = _sym_cfg(opts.block_tokens)
+    table = {e: (tuple(src), dst) for e, src, dst in lc.TRANSITIONS}
+    modelled = {name: (tuple(src), dst) for name, src, dst, _ in model.TRANSITIONS}
+    mismatch = [e for e in table if modelled.get(e) != table[e]]
+    mismatch += [e for e in modelled if e not in table and e not in model.INTERNAL_STEPS]
+    bound = f"unbounded (any cap, chunk, budget; B = {opts.block_tokens} tokens per block; any number of requests)"
+    if mismatch:
+        return Outcome("counterexample", bound, f"the model and spec.lifecycle.TRANSITIONS disagree on {mismatch}")
+    steps = 0
+    for name, sources, dest, fn in model.TRANSITIONS:
+        for src in sources:
+            r = _sym_req("r")
+            free, rest, budget = z3.Ints("free_blocks rest_held_blocks budget_left_tokens")
+            step = fn(r, free, cfg, budget)
+            pre = [cfg.ok(), budget >= 1, r.st == STATE_CODE[src], model.system_valid([r], free, cfg, rest),
+                   step.guard]
+            goals = (model.system_named([step.req], step.free_blocks, cfg, rest) + list(step.facts)
+                     + [("destination", step.req.st == STATE_CODE[dest])])
+            status, info = _prove(pre, goals, opts.timeout_s)
+            steps += 1
+            if status == "counterexample":
+                m, bad = info
+                values = _cfg_values(m, cfg) | {"request": _req_values(m, r), "free_blocks": _val(m, free),
+                                                "blocks held by the others": _val(m, rest),
+                                                "budget_left_tokens": _val(m, budget),
+                                                "after": _req_values(m, step.req)}
+                return Outcome("counterexample", bound, counterexample=StateCounterexample(
+                    f"{name} from {src}", bad, values))
+            if status != "proved":
+                return Outcome("unknown", bound, f"{name} from {src}: {status} {info or ''}")
+    return Outcome("proved", bound, f"{steps} (step, source state) pairs, each unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- (b) KV cap, the whole tick
+
+
+def _any_policy(R: int, tag: str = "") -> Choices:
+    z3 = _z3()
+    return Choices(victim=lambda i, a, alive: z3.Int(f"victim_{tag}{i}_{a}"),
+                   skip=[z3.Bool(f"skip_{tag}{j}") for j in range(R)],
+                   backfill=z3.Bool(f"backfill{tag}"), admit_after_preempt=z3.Bool(f"admit_after_preempt{tag}"))
+
+
+@register("kv_cap_tick",
+          "Inv is preserved by a whole tick (growth and preemption of running requests, admissions, chunk "
+          "progress, one token per producing request, EOS and length finishes), and every batch passed "
+          "to forward satisfies sum(kv_blocks_for) <= cap, chunk <= 64, budget, one token per request")
+def check_kv_cap_tick(opts: Options) -> Outcome:
+    """Slots hold any mix of absent, queued, running, preempted and finished requests."""
+    z3 = _z3()
+    R = opts.tick_slots
+    cfg = _sym_cfg(opts.block_tokens)
+    reqs = [_sym_req(f"r{j}") for j in range(R)]
+    free = z3.Int("free_blocks")
+    ch = _any_policy(R)
+    res = model.tick(reqs, free, cfg, ch)
+    pre = [cfg.ok(), model.system_valid(reqs, free, cfg), *ch.assumptions]
+    goals = model.system_named(res.reqs, res.free_blocks, cfg) + list(res.facts)
+    bound = (f"up to {R} requests in flight, any cap, chunk, budget, max_running; B = {opts.block_tokens}; "
+             f"any policy choice (victim, skipped running requests, admission order, backfill, admission "
+             f"after preemption)")
+    status, info = _prove(pre, goals, opts.timeout_s)
+    if status == "counterexample":
+        m, bad = info
+        values = _cfg_values(m, cfg) | {"free_blocks": _val(m, free)}
+        for j, r in enumerate(reqs):
+            values[f"slot {j}"] = _req_values(m, r)
+            values[f"slot {j} this tick"] = (
+                f"in batch {_val(m, res.in_batch[j])}, tokens {_val(m, res.num_new_tokens[j])}, "
+                f"admitted {_val(m, res.admitted[j])}, preempted {_val(m, res.preempted[j])}, skipped "
+                f"{_val(m, ch.skip[j])} -> {_req_values(m, res.reqs[j])}")
+        values["backfill"] = _val(m, ch.backfill)
+        values["admit_after_preempt"] = _val(m, ch.admit_after_preempt)
+        return Outcome("counterexample", bound, counterexample=StateCounterexample("tick", bad, values))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- bounded runs from the empty state
+
+
+@dataclass
+class Run:
+    """A symbolic bounded run: ``states[t]`` is the state fed to tick ``t`` (after its arrivals);
+    ``states[depth]`` the state after the last tick."""
+
+    cfg: Cfg
+    reqs0: list[Req]
+    states: list[tuple[Req, ...]]
+    frees: list[Any]
+    results: list[model.TickResult]
+    assumptions: list[Any]
+
+
+def unroll(opts: Options, *, fcfs: bool = True) -> Run:
+    """Unroll ``opts.bmc_depth`` ticks of the FCFS model from the empty scheduler.
+
+    Requests (``opts.bmc_requests`` slots, in arrival order) have symbolic arrival ticks,
+    admissible prompt lengths (``prompt_fits``), ``max_tokens`` in ``1..bmc_max_tokens`` and
+    an EOS position in ``0..bmc_max_tokens`` (0: the backend never returns EOS).
+    """
+    z3 = _z3()
+    from spec import rules  # noqa: PLC0415
+
+    R, K = opts.bmc_requests, opts.bmc_depth
+    cfg = opts.bmc_cfg()
+    # With R requests, max_running >= R and a budget >= R * chunk never bind: clamp them so the
+    # numbers stay small (same behaviour).
+    cfg = replace(cfg, max_running=min(cfg.max_running, R),
+                  budget_tokens=min(cfg.budget_tokens, R * cfg.chunk_tokens))
+    # Bit-vectors: every quantity of a bounded run is small, and z3 decides them by bit-blasting
+    # far faster than integer arithmetic full of if-then-else. The width leaves room for
+    # sign and sums (comparisons are signed, so a negative free count stays visible).
+    longest = cfg.cap_blocks * cfg.block_tokens + opts.bmc_max_tokens  # tokens of one request
+    service = longest + opts.bmc_max_tokens  # >= fcfs_service_ticks of one request
+    top = max(longest, cfg.chunk_tokens, cfg.budget_tokens, cfg.cap_blocks, cfg.max_running, K + R * service) + longest
+    width = (2 * top).bit_length() + 1
+    var = (lambda name: z3.BitVec(name, width))
+    zero = z3.BitVecVal(0, width)
+    reqs = [Req(zero + ABSENT, var(f"P{j}"), var(f"M{j}"), var(f"E{j}"), zero, zero, zero, zero, var(f"a{j}"))
+            for j in range(R)]
+    asm = []
+    for j, r in enumerate(reqs):
+        asm += [r.P <= cfg.max_model_len_tokens, rules.prompt_fits(r.P, cfg.cap_blocks, cfg.block_tokens),
+                r.M >= 1, r.M <= opts.bmc_max_tokens,
+                r.E >= 0, r.E <= opts.bmc_max_tokens, r.arrival >= 0, r.arrival < K]
+        if j:
+            asm.append(reqs[j - 1].arrival <= r.arrival)
+    cur: tuple[Req, ...] = tuple(reqs)
+    free: Any = zero + cfg.cap_blocks
+    states, frees, results = [], [], []
+    for t in range(K):
+        cur = model.arrive(cur, t)
+        states.append(cur)
+        frees.append(free)
+        res = model.tick(cur, free, cfg, None if fcfs else _any_policy(R, f"t{t}_"))
+        results.append(res)
+        cur, free = _fresh(res.reqs, res.free_blocks, f"t{t + 1}", asm, var)
+    states.append(cur)
+    frees.append(free)
+    return Run(cfg, reqs, states, frees, results, asm)
+
+
+def _fresh(reqs: Sequence[Req], free: Any, tag: str, asm: list, var: Callable[[str], Any]) -> tuple[tuple[Req, ...], Any]:
+    """Name a tick's outcome with fresh variables (``x_t == term``): keeps z3's terms flat."""
+    out = []
+    for j, r in enumerate(reqs):
+        vals = {}
+        for f in ("st", "g", "nc", "h", "pre"):
+            v = var(f"{f}{j}_{tag}")
+            asm.append(v == getattr(r, f))
+            vals[f] = v
+        out.append(replace(r, **vals))
+    fv = var(f"free_{tag}")
+    asm.append(fv == free)
+    return tuple(out), fv
+
+
+def _trace(m: Any, run: Run, opts: Options, violated: list[str], ticks: int, expect: str = "") -> Trace:
+    reqs = [(_val(m, r.arrival), f"r{j}", _val(m, r.P), _val(m, r.M), _val(m, r.E))
+            for j, r in enumerate(run.reqs0)]
+    states = []
+    for t in range(1, ticks + 1):
+        parts = []
+        for j, r in enumerate(run.states[t]):
+            st = _val(m, r.st)
+            if st != ABSENT:
+                parts.append(f"r{j}: {CODE_STATE[st]} {_val(m, r.g)}/{_val(m, r.nc)}/{_val(m, r.h)}")
+        states.append(f"after tick {t - 1}: free {_val(m, run.frees[t])}; " + "; ".join(parts))
+    cfg = {"kv_cap_blocks": opts.bmc_cap_blocks, "block_tokens": opts.bmc_block_tokens,
+           "prefill_chunk_tokens": opts.bmc_chunk_tokens, "token_budget_tokens": opts.bmc_budget_tokens,
+           "max_running": opts.bmc_max_running}
+    return Trace(cfg, reqs, ticks, violated, expect, states)
+
+
+def _bmc_bound(opts: Options) -> str:
+    return (f"depth {opts.bmc_depth} ticks, {opts.bmc_requests} requests (any arrival ticks, admissible prompts, "
+            f"max_tokens <= {opts.bmc_max_tokens}, any EOS position), cap {opts.bmc_cap_blocks} blocks of "
+            f"{opts.bmc_block_tokens} tokens, chunk {opts.bmc_chunk_tokens}, budget {opts.bmc_budget_tokens}")
+
+
+@register("kv_cap_bmc",
+          "every state reachable from the empty scheduler within the depth satisfies Inv (hence kv_within_cap) "
+          "and every tick's facts hold (batch kv_blocks_for <= cap, chunk, budget, one token per request); "
+          "FCFS, replayable counterexamples")
+def check_kv_cap_bmc(opts: Options) -> Outcome:
+    run = unroll(opts)
+    bound = _bmc_bound(opts)
+    goals = []
+    for t in range(1, opts.bmc_depth + 1):
+        goals += [(f"{n} (after tick {t - 1})", g) for n, g in model.system_named(run.states[t], run.frees[t], run.cfg)]
+        goals += [(f"{n} (tick {t - 1})", g) for n, g in run.results[t - 1].facts]
+    status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
+    if status == "counterexample":
+        m, bad = info
+        tick_of = {b: int(b.rsplit("tick ", 1)[1].rstrip(")")) for b in bad}
+        first = min(tick_of.values())
+        bad = [b for b in bad if tick_of[b] == first]
+        return Outcome("counterexample", bound, counterexample=_trace(m, run, opts, bad, first + 1))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- (c) no starvation under FCFS
+
+
+@register("no_starvation_fcfs",
+          "under FCFSPolicy every admissible request r, submitted before tick a_r, is admitted within "
+          "A_r = sum_{older live q} T_q + 1 ticks and finishes within D_r = sum_{older live q} T_q + T_r ticks, "
+          "T_q = ceil((P_q + M_q - 1) / min(chunk, budget)) + M_q - 1 (fairness assumption: tick() keeps "
+          "being called; a request finishes by its max_tokens)")
+def check_no_starvation_fcfs(opts: Options) -> Outcome:
+    """Bounded model checking: only deadlines that fall within the depth are checked."""
+    run = unroll(opts)
+    K, R = opts.bmc_depth, opts.bmc_requests
+    chunk = min(opts.bmc_chunk_tokens, opts.bmc_budget_tokens)
+    T = [model.fcfs_service_ticks(r.P, r.M, chunk) for r in run.reqs0]
+    goals = []
+    targets = {}
+    for j, r in enumerate(run.reqs0):
+        for t0 in range(K):
+            live_older = [Or(is_waiting(run.states[t0][q].st), is_resident(run.states[t0][q].st)) for q in range(j)]
+            older = Sum([If(live_older[q], T[q], 0) for q in range(j)])
+            adm_by, fin_by = t0 + older + 1, t0 + older + T[j]
+            for t1 in range(t0 + 1, K + 1):
+                s = run.states[t1][j]
+                ever = Or(is_resident(s.st), is_final(s.st), s.pre >= 1)
+                name_a = f"r{j} submitted before tick {t0} admitted by tick {t1 - 1}"
+                name_f = f"r{j} submitted before tick {t0} finished by tick {t1 - 1}"
+                goals.append((name_a, Or(r.arrival != t0, adm_by != t1, ever)))
+                goals.append((name_f, Or(r.arrival != t0, fin_by != t1, is_final(s.st))))
+                targets[name_a] = (t1, f"r{j} not yet admitted after tick {t1 - 1}")
+                targets[name_f] = (t1, f"r{j} not finished after tick {t1 - 1}")
+    bound = _bmc_bound(opts) + "; deadlines beyond the depth are not checked"
+    status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
+    if status == "counterexample":
+        m, bad = info
+        ticks, expect = targets[bad[0]]
+        return Outcome("counterexample", bound, counterexample=_trace(m, run, opts, bad, ticks, expect))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- (c') no starvation, unbounded
+
+
+@register("no_starvation_fcfs_inductive",
+          "under FCFSPolicy, from every state satisfying Inv and fcfs_order, one tick keeps fcfs_order, "
+          "the oldest live request is never preempted, a waiting oldest request is admitted, and the "
+          "oldest live request finishes or its remaining_ticks drops by >= 1, with remaining_ticks <= T_q "
+          "(so it finishes within T_q ticks; by induction over the older requests, r within D_r)")
+def check_no_starvation_fcfs_inductive(opts: Options) -> Outcome:
+    """Slot 0 is the oldest live request; earlier requests are finished and play no part."""
+    z3 = _z3()
+    R = opts.tick_slots
+    bound = (f"up to {R} requests in flight, any cap and max_running, B = {opts.block_tokens}, "
+             f"(chunk, budget) in {list(opts.progress_chunks)}; unbounded depth")
+    for chunk, budget in opts.progress_chunks:
+        cap, max_running = z3.Ints("cap_blocks max_running")
+        cfg = Cfg(cap, opts.block_tokens, chunk, budget, max_running)
+        reqs = [_sym_req(f"r{j}") for j in range(R)]
+        free = z3.Int("free_blocks")
+        res = model.tick(reqs, free, cfg)
+        q, q1 = reqs[0], res.reqs[0]
+        eff = min(chunk, budget)
+        rem, rem1 = model.remaining_ticks(q, eff), model.remaining_ticks(q1, eff)
+        pre = [cfg.ok(), model.system_valid(reqs, free, cfg), fcfs_order([r.st for r in reqs]),
+               Or(is_waiting(q.st), is_resident(q.st))]
+        goals = [("fcfs_order", fcfs_order([r.st for r in res.reqs])),
+                 ("oldest_never_preempted", Not(res.preempted[0])),
+                 ("oldest_admitted", Implies(is_waiting(q.st), Not(is_waiting(q1.st)))),
+                 ("oldest_progress", Or(is_final(q1.st), rem1 <= rem - 1)),
+                 ("remaining_positive", rem >= 1),
+                 ("remaining_within_service", rem <= model.fcfs_service_ticks(q.P, q.M, eff))]
+        status, info = _prove(pre, goals, opts.timeout_s)
+        if status == "counterexample":
+            m, bad = info
+            values = _cfg_values(m, cfg) | {"free_blocks": _val(m, free)}
+            for j, r in enumerate(reqs):
+                values[f"slot {j}"] = _req_values(m, r) + f" -> {_req_values(m, res.reqs[j])}"
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(
+                f"tick (chunk {chunk}, budget {budget})", bad, values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"(chunk {chunk}, budget {budget}): {status} {info or ''}")
+    return Outcome("proved", bound, "unsat for every (chunk, budget); assumptions sat")
+
+
+# ---------------------------------------------------------------- running
+
+
+def _load_plugins() -> None:
+    for name in PLUGINS:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+def run_checks(names: Iterable[str] | None = None, opts: Options | None = None,
+               out: Callable[[str], None] | None = print) -> list[Result]:
+    """Run the named checks (all by default) and print each result as it finishes.
+
+    Raises:
+        KeyError: an unknown check name.
+    """
+    _load_plugins()
+    opts = opts or Options()
+    chosen = [CHECKS[n] for n in names] if names else list(CHECKS.values())
+    results = []
+    for c in chosen:
+        t0 = time.perf_counter()
+        outcome = c.run(opts)
+        r = Result(c.name, c.property, outcome, time.perf_counter() - t0)
+        results.append(r)
+        if out is not None:
+            out(str(r))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m spec.verify``: run the checks; exit status 0 iff every one is proved."""
+    _load_plugins()
+    p = argparse.ArgumentParser(prog="python -m spec.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--list", action="store_true", help="name the checks and exit")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks")
+    defaults = Options()
+    scalars = [f.name for f in fields(Options) if isinstance(getattr(defaults, f.name), (int, float))]
+    for name in scalars:
+        p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
+                       default=getattr(defaults, name), help=f"(default {getattr(defaults, name)})")
+    a = p.parse_args(argv)
+    if a.list:
+        for c in CHECKS.values():
+            print(f"{c.name}: {c.property}")
+        return 0
+    opts = replace(defaults, **{name: getattr(a, name) for name in scalars})
+    try:
+        results = run_checks(a.only, opts)
+    except KeyError as e:
+        p.error(f"unknown check {e}; --list names them")
+    total = sum(r.time_s for r in results)
+    ok = sum(r.proved for r in results)
+    print(f"{ok} of {len(results)} checks proved in {total:.1f} s")
+    return 0 if ok == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
