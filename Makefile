@@ -20,6 +20,7 @@ test: $(STAMP)
 
 verify: $(STAMP)
 	$(BIN)/python -m spec.verify
+	BATCH_STATEFUL_STEPS=1000 BATCH_STATEFUL_EXAMPLES=100 $(BIN)/python -m pytest -q tests/test_stateful.py
 
 bench: $(STAMP)
 	$(BIN)/python bench.py

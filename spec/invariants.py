@@ -370,6 +370,8 @@ class InvariantChecker:
         tick_no, calls = self.ticks, self.forward_calls
         self.ticks += 1
         self.forward_calls = 0
+        before = self._gen_before  # the next tick compares with now, even if this check raises
+        self._gen_before = {id(s): len(s.req.generated) for s in sched._by_obj.values()}
 
         def fail(prop: str, detail: str) -> None:
             raise InvariantViolation(prop, detail, _summary(sched, tick_no))
@@ -388,7 +390,6 @@ class InvariantChecker:
         if not batch_within_budget([s.num_new_tokens for s in plan.batch], sched.token_budget_tokens):
             fail("batch_within_budget", f"{plan.num_batched_tokens} tokens, budget {sched.token_budget_tokens}")
         in_batch = {id(s) for s in batch}
-        before = self._gen_before
         kv_at_forward = []
         for s in (*sched._by_obj.values(), *done):
             delta = len(s.req.generated) - before.get(id(s), 0)
@@ -402,4 +403,3 @@ class InvariantChecker:
             fail("batch_kv_within_cap", f"batch of {len(batch)} holds {sum(kv_at_forward)} blocks by "
                                         f"kv_blocks_for, cap {sched.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
-        self._gen_before = {id(s): len(s.req.generated) for s in sched._by_obj.values()}

@@ -53,7 +53,7 @@ def new_machine(**kwargs: Any):
 
     Args:
         **kwargs: passed on to the machine class (for example ``graph_engine="mermaid"``
-            together with a diagrams class through ``machine_cls``).
+            together with a diagrams class through ``machine_cls``, and a ``model`` to draw).
 
     Returns:
         A machine with ``model=None``, ``auto_transitions=False`` and ``initial="queued"``:
@@ -64,7 +64,7 @@ def new_machine(**kwargs: Any):
     if machine_cls is None:
         from transitions import Machine as machine_cls  # noqa: PLC0415
     return machine_cls(
-        model=None,
+        model=kwargs.pop("model", None),
         states=list(STATES),
         transitions=[{"trigger": e, "source": list(src), "dest": dst} for e, src, dst in TRANSITIONS],
         initial=QUEUED,

@@ -58,12 +58,15 @@ def Max(a: Any, b: Any) -> Any:
 
 
 def cdiv(a: Any, b: Any) -> Any:
-    """Ceiling division ``ceil(a / b)`` for ``a >= 0`` and ``b > 0``."""
+    """Ceiling division ``ceil(a / b)`` for ``b > 0`` (z3 ``Int`` or bit-vector terms, or ints)."""
     if _is_z3(a, b):
         z3 = _z3()
-        if z3.is_bv(a) and type(b) is int and b > 0 and b & (b - 1) == 0:
-            return (a + b - 1) >> (b.bit_length() - 1)  # arithmetic shift: floor, as for ints
-        return (a + b - 1) / b  # z3 integer division; exact for a >= 0, b > 0
+        q = a + b - 1
+        if z3.is_bv(q):  # bit-vector `/` truncates toward zero; ints floor: keep the int meaning
+            if type(b) is int and b > 0 and b & (b - 1) == 0:
+                return q >> (b.bit_length() - 1)  # arithmetic shift: floor
+            return z3.If(q >= 0, q / b, (q - b + 1) / b)
+        return q / b  # z3 integer division floors for b > 0
     return -(-a // b)
 
 

@@ -128,6 +128,13 @@ def system_valid(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, other_held_blo
     return And(*(p for _, p in system_named(reqs, free_blocks, cfg, other_held_blocks)))
 
 
+def is_eos(eos_position: Int, num_generated: Int) -> Bool:
+    """The token just appended (the ``num_generated``-th) is EOS: the backend returns EOS at
+    output position ``eos_position``. Mirrors ``token == eos_token_id`` in
+    ``Scheduler.update_from_output`` (which is not a ``spec.rules`` function)."""
+    return eos_position == num_generated
+
+
 # ---------------------------------------------------------------- per-transition models
 
 
@@ -158,7 +165,7 @@ def _iterate(r: Req, free: Int, cfg: Cfg, budget: Int, produce: bool, finish: bo
     k = rules.chunk_tokens(r.n, r.nc, cfg.chunk_tokens, budget)
     produced = rules.produces_token(r.nc, k, r.n)
     g1 = If(produced, r.g + 1, r.g)
-    fin = And(produced, Or(r.E == g1, rules.reached_length(g1, r.M, r.P + g1, cfg.max_model_len_tokens)))
+    fin = And(produced, Or(is_eos(r.E, g1), rules.reached_length(g1, r.M, r.P + g1, cfg.max_model_len_tokens)))
     guard = And(rules.can_allocate(free, need), k > 0, produced if produce else Not(produced),
                 fin if finish else Not(fin))
     st = DONE if finish else (DEC if produce else PF)
@@ -311,7 +318,7 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
         held = If(preempted[j], 0, r.h + got[j])
         produced = And(inb, rules.produces_token(nc0, k[j], r.n))
         g1 = If(produced, r.g + 1, r.g)
-        fin = And(produced, Or(r.E == g1, rules.reached_length(g1, r.M, r.P + g1, cfg.max_model_len_tokens)))
+        fin = And(produced, Or(is_eos(r.E, g1), rules.reached_length(g1, r.M, r.P + g1, cfg.max_model_len_tokens)))
         free = free + If(fin, held, 0)
         st = If(preempted[j], PRE, If(fin, DONE, If(produced, DEC, If(inb, PF, r.st))))
         out.append(replace(r, st=st, g=g1, nc=If(preempted[j], 0, If(inb, nc0 + k[j], r.nc)),

@@ -88,6 +88,7 @@ class Trace:
             max_tokens, eos_at)`` (``eos_at``: the backend returns EOS as that output token,
             0 never). ticks: ticks to run. violated: names of the violated properties.
         expect: what the replay should show (for example ``"r2 not finished after tick 7"``).
+        target: ``(request_id, "admitted" or "finished")`` that the run shows late, if any.
         states: per tick, the model's view ``request_id: state g/nc/h``, for reading.
     """
 
@@ -97,6 +98,7 @@ class Trace:
     violated: list[str]
     expect: str = ""
     states: list[str] = field(default_factory=list)
+    target: tuple[str, str] | None = None
 
     def program(self) -> str:
         """Python source that replays the run on the real ``Scheduler`` (runtime checks on)."""
@@ -122,8 +124,9 @@ class Trace:
         """Run the trace on the real ``Scheduler`` (``check_invariants=True``).
 
         Returns:
-            ``{"finished": {request_id: tick}, "error": exception or None, "scheduler": ...}``;
-            an exception (``InvariantViolation``, a failed assertion) stops the run.
+            ``{"finished": {request_id: tick}, "states": {request_id: lifecycle state at the
+            end}, "error": exception or None}``; an exception (``InvariantViolation``, a failed
+            assertion) stops the run.
         """
         from inference_stub import Request  # noqa: PLC0415
         from scheduler import Scheduler  # noqa: PLC0415
@@ -132,6 +135,7 @@ class Trace:
         kw = dict(self.cfg, backend=EosBackend(eos), check_invariants=True) | scheduler_kwargs
         sched = Scheduler(**kw)
         finished: dict[str, int] = {}
+        error = None
         try:
             for t in range(self.ticks):
                 for ta, rid, p, m, _ in self.requests:
@@ -140,8 +144,9 @@ class Trace:
                 for r in sched.tick():
                     finished[r.request_id] = t
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            return {"finished": finished, "error": e, "scheduler": sched}
-        return {"finished": finished, "error": None, "scheduler": sched}
+            error = e
+        states = {s.request_id: s.state for s in sched._by_obj.values()} | {rid: "done" for rid in finished}
+        return {"finished": finished, "states": states, "error": error}
 
     def __str__(self) -> str:
         lines = [f"violated: {', '.join(self.violated)}"]
@@ -569,14 +574,16 @@ def check_no_starvation_fcfs(opts: Options) -> Outcome:
                 name_f = f"r{j} submitted before tick {t0} finished by tick {t1 - 1}"
                 goals.append((name_a, Or(r.arrival != t0, adm_by != t1, ever)))
                 goals.append((name_f, Or(r.arrival != t0, fin_by != t1, is_final(s.st))))
-                targets[name_a] = (t1, f"r{j} not yet admitted after tick {t1 - 1}")
-                targets[name_f] = (t1, f"r{j} not finished after tick {t1 - 1}")
+                targets[name_a] = (t1, f"r{j} not yet admitted after tick {t1 - 1}", (f"r{j}", "admitted"))
+                targets[name_f] = (t1, f"r{j} not finished after tick {t1 - 1}", (f"r{j}", "finished"))
     bound = _bmc_bound(opts) + "; deadlines beyond the depth are not checked"
     status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
     if status == "counterexample":
         m, bad = info
-        ticks, expect = targets[bad[0]]
-        return Outcome("counterexample", bound, counterexample=_trace(m, run, opts, bad, ticks, expect))
+        ticks, expect, target = targets[bad[0]]
+        trace = _trace(m, run, opts, [bad[0]], ticks, expect)
+        trace.target = target
+        return Outcome("counterexample", bound, counterexample=trace)
     if status != "proved":
         return Outcome("unknown", bound, f"{status} {info or ''}")
     return Outcome("proved", bound, "unsat; assumptions sat")

@@ -1,0 +1,221 @@
+"""Stateful property tests: Hypothesis drives the real Scheduler beside a deliberately simple
+reference model and checks every spec invariant after every step.
+
+Each run is a program of submits (valid, refused, duplicate), ticks and runs of ticks, over a
+small KV cache (8-16 blocks) so preemption is frequent, with a backend that returns EOS at a
+chosen output position or never. A failure prints the program as replayable Python
+(``state = SchedulerMachine(); state.setup(...); state.submit(...); state.tick(); ...``).
+
+Steps per run and runs: ``BATCH_STATEFUL_STEPS`` (200) and ``BATCH_STATEFUL_EXAMPLES`` (50);
+``make verify`` raises both.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from conftest import StepClock
+from inference_stub import Request
+from policy import FCFSPolicy
+from scheduler import DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
+from spec import invariants as inv
+from spec import model, rules
+
+STEPS = int(os.environ.get("BATCH_STATEFUL_STEPS", "200"))
+EXAMPLES = int(os.environ.get("BATCH_STATEFUL_EXAMPLES", "50"))
+EOS = 0
+
+
+def token_at(rid: str, k: int) -> int:
+    """The backend's k-th output token (1-based) for ``rid`` when it is not EOS: in 1..63."""
+    return 1 + zlib.crc32(f"{rid}:{k}".encode()) % 63
+
+
+class RecordingBackend:
+    """Deterministic model: EOS as the ``eos_at[rid]``-th output token (never when absent),
+    else ``token_at``. Records, per tick, the number of calls and each batch's KV blocks by
+    ``kv_blocks_for`` (at the scheduler's block size) as ``forward`` received it."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.eos_at: dict[str, int] = {}
+        self.calls = 0
+        self.batch_blocks: list[int] = []
+
+    def __call__(self, batch: list[Request]) -> list[int]:
+        self.calls += 1
+        self.batch_blocks.append(sum(rules.blocks_for(len(r.prompt) + len(r.generated), self.block_tokens)
+                                     for r in batch))
+        return [EOS if self.eos_at.get(r.request_id) == len(r.generated) + 1
+                else token_at(r.request_id, len(r.generated) + 1) for r in batch]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The real Scheduler (runtime invariant checking on) against a reference model.
+
+    Reference model: the set of accepted request ids, the ids returned so far, and per request
+    the submit tick and the FCFS deadline ``D_r`` (``docs/spec.md``): nothing else.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched: Scheduler | None = None
+        self.step_failed = False  # a step raised: teardown must not tick a broken scheduler
+
+    @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
+                chunk_tokens=st.sampled_from([8, 64]), budget_tokens=st.sampled_from([0, 24]),
+                max_running=st.sampled_from([256, 3]))
+    def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
+              max_running: int) -> None:
+        """``budget_tokens=0`` means the default budget (the cache's capacity in tokens)."""
+        self.backend = RecordingBackend(block_tokens)
+        self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens, prefill_chunk_tokens=chunk_tokens,
+                               token_budget_tokens=budget_tokens or None, max_running=max_running,
+                               backend=self.backend, clock=StepClock(), policy=FCFSPolicy(), check_invariants=True)
+        self.chunk_eff = min(chunk_tokens, self.sched.token_budget_tokens)
+        self.ticks = 0
+        self.next_id = 0
+        self.accepted: dict[str, Request] = {}
+        self.returned: set[str] = set()
+        self.deadline: dict[str, int] = {}  # rid -> tick by whose end it must have finished
+
+    # ------------------------------------------------------------ steps
+
+    @rule(user=st.sampled_from(["a", "b", "c"]),
+          prompt_tokens=st.one_of(st.integers(1, 40), st.integers(41, 300)),
+          max_tokens=st.integers(0, 12), eos_at=st.integers(0, 14))
+    def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int) -> None:
+        """``eos_at``: the output position at which the backend returns EOS (0: never)."""
+        s = self.sched
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        req = Request(user_id=user, prompt=[1 + i % 63 for i in range(prompt_tokens)], max_tokens=max_tokens,
+                      request_id=rid)
+        before = self._observable()
+        if max_tokens < 1:
+            with pytest.raises(InvalidRequestError):
+                s.submit(req)
+        elif not rules.prompt_fits(prompt_tokens, s.kv_cap_blocks, s.block_tokens):
+            with pytest.raises(PromptTooLongError):
+                s.submit(req)
+        else:
+            if eos_at:
+                self.backend.eos_at[rid] = eos_at
+            older = sum(model.fcfs_service_ticks(len(r.prompt), r.max_tokens, self.chunk_eff)
+                        for q, r in self.accepted.items() if q not in self.returned)
+            s.submit(req)
+            self.accepted[rid] = req
+            self.deadline[rid] = self.ticks + older + model.fcfs_service_ticks(prompt_tokens, max_tokens,
+                                                                                self.chunk_eff) - 1
+            return
+        assert self._observable() == before, "a refused request changed the scheduler"
+
+    @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
+    @rule(data=st.data())
+    def submit_duplicate(self, data: st.DataObject) -> None:
+        live = sorted(q for q in self.accepted if q not in self.returned)
+        rid = data.draw(st.sampled_from(live), label="rid")
+        before = self._observable()
+        # The same object again: refused; once it has tokens, _validate reports the non-empty
+        # `generated` (InvalidRequestError) before the duplicate. Both are typed, both change nothing.
+        with pytest.raises((DuplicateRequestError, InvalidRequestError)):
+            self.sched.submit(self.accepted[rid])
+        with pytest.raises(DuplicateRequestError):
+            self.sched.submit(Request(user_id="x", prompt=[1], max_tokens=1, request_id=rid))
+        assert self._observable() == before
+
+    @rule()
+    def tick(self) -> None:
+        calls = self.backend.calls
+        self.step_failed = True
+        finished = self.sched.tick()
+        self.step_failed = False
+        assert inv.one_forward_per_tick(self.backend.calls - calls)
+        if self.backend.calls > calls:
+            assert inv.batch_kv_within_cap([self.backend.batch_blocks[-1]], self.sched.kv_cap_blocks)
+        for r in finished:
+            self._check_finished(r)
+        self.ticks += 1
+
+    @rule(n=st.integers(2, 30))
+    def ticks(self, n: int) -> None:
+        for _ in range(n):
+            self.tick()
+
+    # ------------------------------------------------------------ invariants after every step
+
+    @invariant()
+    def spec_invariants_hold(self) -> None:
+        if self.sched is not None:
+            inv.check_state(self.sched)
+
+    @invariant()
+    def reference_model_agrees(self) -> None:
+        if self.sched is None:
+            return
+        in_flight = {q for q in self.accepted if q not in self.returned}
+        assert self.sched.has_active() == bool(in_flight)
+        assert {s.request_id for s in self.sched._by_obj.values()} == in_flight
+        for q in in_flight:  # tokens so far are the backend's tokens, in order, none lost or repeated
+            g = self.accepted[q].generated
+            assert g == [token_at(q, k) for k in range(1, len(g) + 1)], q
+
+    @invariant()
+    def fcfs_order_and_deadlines(self) -> None:
+        if self.sched is None:
+            return
+        order = [s.arrival_no for s in self.sched.running] + [s.arrival_no for s in self.sched.policy.admission_order()]
+        assert inv.arrival_ordered(order), f"running + waiting not in arrival order: {order}"
+        for q, d in self.deadline.items():
+            if q not in self.returned:
+                assert self.ticks <= d, f"{q} not finished by tick {d} (FCFS bound D_r, docs/spec.md)"
+
+    def teardown(self) -> None:
+        if self.sched is None or self.step_failed:
+            return
+        while self.sched.has_active():  # drain: the FCFS deadlines bound how long this takes
+            self.tick()
+            self.fcfs_order_and_deadlines()
+        assert self.returned == set(self.accepted), "an accepted request was never returned"
+
+    # ------------------------------------------------------------ helpers
+
+    def _check_finished(self, r: Request) -> None:
+        rid = r.request_id
+        assert rid in self.accepted and self.accepted[rid] is r, f"{rid} returned but never accepted"
+        assert rid not in self.returned, f"{rid} returned twice"
+        self.returned.add(rid)
+        g, e = r.generated, self.backend.eos_at.get(rid, 0)
+        assert 1 <= len(g) <= r.max_tokens
+        if e and e <= len(g):
+            assert len(g) == e and g[-1] == EOS, f"{rid}: EOS at {e} but {len(g)} tokens"
+        else:
+            assert EOS not in g
+            assert len(g) == r.max_tokens or len(r.prompt) + len(g) >= self.sched.max_model_len_tokens
+        assert g[:len(g) - (g[-1] == EOS)] == [token_at(rid, k) for k in range(1, len(g) + 1 - (g[-1] == EOS))]
+        assert r.submitted_at <= r.started_at <= r.completed_at
+
+    def _observable(self) -> tuple:
+        s = self.sched
+        return (s.has_active(), s.pool.num_free, len(s.running), len(s.policy), len(s._by_obj))
+
+
+def stateful_settings(steps: int = STEPS, examples: int = EXAMPLES, **kw) -> settings:
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], **kw)
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = stateful_settings()
+
+
+def run_machine(steps: int = 200, examples: int = 30) -> None:
+    """Run the machine without shrinking or the example database (for the planted-bug tests)."""
+    run_state_machine_as_test(SchedulerMachine, settings=stateful_settings(
+        steps, examples, phases=[Phase.generate], database=None, print_blob=False))

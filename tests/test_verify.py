@@ -1,0 +1,247 @@
+"""The z3 proofs at small bounds, the model against the real scheduler, and the checks' teeth:
+each planted bug must make z3 return a counterexample AND make the runtime check or the
+stateful test fail (and the counterexample must replay on the real, bugged scheduler)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import ScriptedBackend, make_req
+
+import policy
+import scheduler
+from kv_cache import BlockPool
+from scheduler import InvariantViolation, Scheduler
+from spec import invariants as inv
+from spec import model, rules, verify
+from spec.logic import Min
+from test_stateful import run_machine
+
+#: Bounds for the test suite (seconds); ``make verify`` runs the defaults and deeper.
+SMALL = verify.Options(tick_slots=3, bmc_depth=3)
+
+
+def run(*names: str) -> dict[str, verify.Result]:
+    return {r.name: r for r in verify.run_checks(names, SMALL, out=None)}
+
+
+def test_every_check_proves_at_small_bounds():
+    results = verify.run_checks(None, SMALL, out=None)
+    assert {r.name for r in results} >= {"kv_cap_per_transition", "kv_cap_tick", "kv_cap_bmc",
+                                         "no_starvation_fcfs", "no_starvation_fcfs_inductive"}
+    assert [(r.name, r.outcome.status, r.outcome.detail) for r in results if not r.proved] == []
+
+
+def test_cli_prints_property_bound_result_and_time(capsys):
+    assert verify.main(["--only", "kv_cap_per_transition", "no_starvation_fcfs", "--bmc-depth", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "[proved] kv_cap_per_transition (" in out and "property: " in out and "bound: depth 2 ticks" in out
+    assert "2 of 2 checks proved" in out
+    assert verify.main(["--list"]) == 0 and "no_starvation_fcfs_inductive" in capsys.readouterr().out
+
+
+def test_registry_takes_new_checks(monkeypatch):
+    monkeypatch.setitem(verify.CHECKS, "demo", verify.Check("demo", "1 + 1 == 2", lambda o: verify.Outcome(
+        "proved", "none")))
+    (r,) = verify.run_checks(["demo"], SMALL, out=None)
+    assert r.proved and r.property == "1 + 1 == 2"
+    with pytest.raises(KeyError):
+        verify.run_checks(["no such check"], SMALL, out=None)
+
+
+def test_the_proof_model_covers_every_lifecycle_event():
+    from spec import lifecycle as lc
+    modelled = {name: (tuple(src), dst) for name, src, dst, _ in model.TRANSITIONS}
+    for event, src, dst in lc.TRANSITIONS:
+        assert modelled[event] == (tuple(src), dst)
+    assert set(modelled) - set(lc.EVENTS) == set(model.INTERNAL_STEPS)
+
+
+# ---------------------------------------------------------------- the model is the code
+
+
+def _model_vs_scheduler(rng: random.Random) -> int:
+    """Run a random workload through the int model and the real Scheduler side by side; every
+    request's (state, generated, computed, blocks, preemptions) and the free blocks must agree
+    after every tick. Returns the number of preemptions seen."""
+    C, B = rng.choice([3, 4, 6, 8]), rng.choice([2, 4, 16])
+    cfg = model.Cfg(C, B, rng.choice([2, 4, 64]), rng.choice([3, 5, 1000]), rng.choice([2, 256]))
+    specs = sorted((rng.randint(0, 8), rng.randint(1, C * B - 1), rng.randint(1, 6), rng.choice([0, rng.randint(1, 7)]))
+                   for _ in range(rng.randint(1, 5)))
+    be = ScriptedBackend(eos_at={f"r{j}": e for j, (_, _, _, e) in enumerate(specs) if e}, block_tokens=B)
+    s = Scheduler(kv_cap_blocks=C, block_tokens=B, prefill_chunk_tokens=cfg.chunk_tokens,
+                  token_budget_tokens=cfg.budget_tokens, max_running=cfg.max_running, backend=be)
+    reqs = tuple(model.Req(inv.ABSENT, p, m, e, arrival=a) for a, p, m, e in specs)
+    free, records = C, [None] * len(specs)
+    for t in range(40):
+        for j, (a, p, m, _) in enumerate(specs):
+            if a == t:
+                r = make_req(f"r{j}", n_prompt=p, max_tokens=m)
+                s.submit(r)
+                records[j] = s._by_obj[id(r)]
+        reqs = model.arrive(reqs, t)
+        res = model.tick(reqs, free, cfg)
+        reqs, free = res.reqs, res.free_blocks
+        s.tick()
+        real = [(inv.ABSENT, 0, 0, 0, 0) if q is None else (inv.STATE_CODE[q.state], len(q.req.generated),
+                q.num_computed_tokens, len(q.block_table), q.num_preemptions) for q in records]
+        assert real == [(r.st, r.g, r.nc, r.h, r.pre) for r in reqs], (t, cfg, specs)
+        assert free == s.pool.num_free
+        assert all(ok for _, ok in res.facts) and model.system_valid(reqs, free, cfg)
+    return sum(q.num_preemptions for q in records if q is not None)
+
+
+def test_model_matches_the_scheduler_tick_by_tick():
+    rng = random.Random(7)
+    preemptions = sum(_model_vs_scheduler(rng) for _ in range(150))
+    assert preemptions > 0  # the comparison covered preemption by recompute
+
+
+def test_model_drift_is_caught(monkeypatch):
+    """A policy change the model does not know about (victim = oldest) must show up."""
+    monkeypatch.setattr(policy.FCFSPolicy, "choose_victim", lambda self, running: min(running, key=lambda s: s.admit_no))
+    rng = random.Random(7)
+    with pytest.raises(AssertionError):
+        for _ in range(150):
+            _model_vs_scheduler(rng)
+
+
+# ---------------------------------------------------------------- teeth: planted bugs
+
+
+class _BigPool(BlockPool):
+    """A pool with more blocks than the cap it was asked for (so the pool cannot refuse)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks + 8)
+
+
+PLANTS = {
+    # name: (rules attribute, bugged function, {z3 check: the property (or properties) its
+    # counterexample must name}, the property the runtime check or stateful test names; for the
+    # dropped guard it is the block pool, which refuses to hand out more than the cap)
+    "admission guard dropped": ("can_allocate", lambda free, need: True,
+                                {"kv_cap_per_transition": "kv_within_cap", "kv_cap_tick": "kv_within_cap",
+                                 "kv_cap_bmc": ("kv_within_cap", "batch_kv_within_cap")}, "plan granted"),
+    "growth dropped": ("growth_blocks", lambda held, n, B: 0,
+                       {"kv_cap_per_transition": "resident_covered", "kv_cap_tick": "resident_covered",
+                        "kv_cap_bmc": "resident_covered"}, "resident_covered"),
+    "lookahead slot removed": ("blocks_needed", lambda n, B: rules.blocks_for(n, B),
+                               {"kv_cap_per_transition": "resident_covered", "kv_cap_tick": "resident_covered",
+                                "kv_cap_bmc": "resident_covered"}, "resident_covered"),
+    "chunk cap dropped": ("chunk_tokens", lambda n, nc, chunk, budget: Min(n - nc, budget),
+                          {"kv_cap_per_transition": "chunk_within_limit", "kv_cap_tick": "chunk_within_limit",
+                           "kv_cap_bmc": "chunk_within_limit"}, "chunk_within_limit"),
+    "max_tokens ignored": ("reached_length", lambda g, M, n, max_len: n >= max_len,
+                           {"kv_cap_per_transition": "live_below_limits", "kv_cap_tick": "live_below_limits",
+                            "kv_cap_bmc": "live_below_limits"}, "live_below_limits"),
+    "admission needs a spare block (starvation)": ("can_allocate", lambda free, need: need < free,
+                                                    {"no_starvation_fcfs": "r", "no_starvation_fcfs_inductive":
+                                                     ("oldest_admitted", "oldest_never_preempted",
+                                                      "oldest_progress")}, "FCFS bound"),
+}
+
+
+def _violated(r: verify.Result) -> list[str]:
+    assert r.outcome.status == "counterexample", (r.name, r.outcome.status, r.outcome.detail)
+    return r.outcome.counterexample.violated
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
+    attr, bug, expected, _ = PLANTS[plant]
+    monkeypatch.setattr(rules, attr, bug)
+    results = run(*expected)
+    for name, prop in expected.items():
+        assert any(v.startswith(prop) for v in _violated(results[name])), (name, _violated(results[name]))
+    for r in results.values():
+        trace = r.outcome.counterexample
+        if isinstance(trace, verify.Trace):  # a bounded run: it replays on the real, bugged scheduler
+            out = trace.replay()
+            if trace.target is None:  # an invariant broke: the runtime check or the pool says so
+                assert isinstance(out["error"], AssertionError), (plant, out)
+            else:
+                rid, what = trace.target
+                assert out["error"] is None
+                assert out["states"][rid] == "queued" if what == "admitted" else rid not in out["finished"]
+    monkeypatch.undo()  # without the bug the same runs are fine
+    for r in results.values():
+        trace = r.outcome.counterexample
+        if isinstance(trace, verify.Trace):
+            out = trace.replay()
+            assert out["error"] is None
+            if trace.target is not None and trace.target[1] == "finished":
+                assert trace.target[0] in out["finished"]
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_planted_bug_fails_the_stateful_test(monkeypatch, plant):
+    attr, bug, _, runtime_prop = PLANTS[plant]
+    monkeypatch.setattr(rules, attr, bug)
+    with pytest.raises((InvariantViolation, AssertionError)) as e:
+        run_machine(steps=200, examples=40)
+    if isinstance(e.value, InvariantViolation):
+        assert e.value.property == runtime_prop
+    else:
+        assert runtime_prop in str(e.value)
+
+
+def test_eos_ignored_fails_z3_and_the_stateful_test(monkeypatch):
+    monkeypatch.setattr(model, "is_eos", lambda eos_position, g: False)
+    results = run("kv_cap_per_transition", "kv_cap_tick", "kv_cap_bmc")
+    for r in results.values():
+        assert any(v.startswith(("none_after_eos", "live_below_limits")) for v in _violated(r)), r.name
+    monkeypatch.undo()
+    monkeypatch.setattr(scheduler.inference_stub, "EOS_TOKEN", 99)  # the scheduler looks for the wrong EOS id
+    with pytest.raises(AssertionError):
+        run_machine(steps=200, examples=40)
+
+
+def test_pool_larger_than_the_cap_fails_the_runtime_check(monkeypatch):
+    monkeypatch.setattr(scheduler, "BlockPool", _BigPool)
+    s = Scheduler(backend=ScriptedBackend(), kv_cap_blocks=8, check_invariants=True)
+    s.submit(make_req("a"))
+    with pytest.raises(InvariantViolation) as e:
+        s.tick()
+    assert e.value.property == "ledger_consistent"
+
+
+def test_request_in_two_places_fails_the_runtime_check(monkeypatch):
+    monkeypatch.setattr(policy.FCFSPolicy, "remove", lambda self, seq: None)  # admitted but still queued
+    s = Scheduler(backend=ScriptedBackend(), check_invariants=True)
+    s.submit(make_req("a"))
+    with pytest.raises(InvariantViolation) as e:
+        s.tick()
+    assert e.value.property == "exactly_one_state" and "a: 1x waiting, 1x running" in e.value.detail
+
+
+def test_two_forwards_in_a_tick_fail_the_runtime_check():
+    s = Scheduler(backend=ScriptedBackend(), check_invariants=False)
+    s.submit(make_req("a"))
+    checker = inv.InvariantChecker()
+    plan = s.schedule()
+    s._commit_blocks(plan)
+    be = checker.count_forward(ScriptedBackend())
+    tokens = be(plan.requests)
+    be(plan.requests)  # a second model iteration in the same tick
+    finished = s.update_from_output(plan, tokens)
+    with pytest.raises(InvariantViolation) as e:
+        checker.after_tick(s, plan, finished)
+    assert e.value.property == "one_forward_per_tick"
+
+
+def test_runtime_check_is_on_in_the_test_suite():
+    assert scheduler.CHECK_INVARIANTS is True
+    assert Scheduler()._checker is not None and Scheduler(check_invariants=False)._checker is None
+
+
+def test_violation_names_the_property_and_the_state(monkeypatch):
+    monkeypatch.setattr(rules, "growth_blocks", lambda held, n, B: 0)
+    s = Scheduler(backend=ScriptedBackend(), kv_cap_blocks=8, check_invariants=True)
+    s.submit(make_req("a", n_prompt=15, max_tokens=5))
+    s.tick()
+    with pytest.raises(InvariantViolation) as e:
+        s.tick()
+    v = e.value
+    assert v.property == "resident_covered" and "a: holds 1 blocks for 17 tokens" in str(v)
+    assert v.state["running"][0][:2] == ("a", "decoding") and v.state["cap_blocks"] == 8
