@@ -17,7 +17,9 @@ the z3 proofs check.
 """
 from __future__ import annotations
 
+import itertools
 import numbers
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,9 +27,11 @@ from typing import Any, Callable, Sequence
 
 import inference_stub
 from inference_stub import Request
+from isolation import Isolation, PlanDraft
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
-from policy import FCFSPolicy, Policy
+from policy import Policy, VTCPolicy
+from spec import fairness_rules as fr
 from spec import lifecycle as lc
 from spec import rules
 
@@ -38,6 +42,13 @@ __all__ = ["Scheduler", "SchedulePlan", "ScheduledSeq", "RequestError", "Invalid
 PREFILL_CHUNK_TOKENS = 64
 #: Default most requests resident at once (vLLM's ``max_num_seqs``).
 MAX_RUNNING_REQUESTS = 256
+#: Default most preemptions of one request; then it is pinned (``spec.fairness_rules.pinned``).
+MAX_PREEMPTIONS = 4
+#: Default aging bound: ticks as the first waiting request that does not fit, then it holds the
+#: reservation (``spec.fairness_rules.reserved_after``).
+AGING_TICKS = 32
+#: With backfill, most non-fitting waiting requests tried past the first one, per tick.
+BACKFILL_WINDOW = 16
 
 #: The one shared lifecycle machine; records are never registered with it.
 MACHINE = lc.new_machine()
@@ -104,6 +115,10 @@ class _Seq:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     admit_no: int = -1
+    admit_tick: int = -1
+    num_prompt_tokens_served: int = 0  # most prompt tokens ever computed: prompts are charged once
+    blocked_ticks: int = 0  # ticks as the first waiting request that did not fit (aging)
+    pinned: bool = False  # admitted with worst-case blocks after MAX_PREEMPTIONS; never a victim
     admitted_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
@@ -150,6 +165,13 @@ class SchedulePlan:
         admission_stop: why admission stopped: ``"empty"`` (nothing waiting), ``"kv"``,
             ``"budget"``, ``"max_running"`` or ``"preempted"`` (no admission in a tick that
             preempted).
+        sat_out: resident requests of over-served users that sit out this iteration, keeping
+            their KV (TTFT isolation, ``isolation.py``).
+        blocked: the first waiting request that did not fit (its aging count grows), or None.
+        reserve: the request that holds the reservation after this iteration (room was made
+            for it by preemption), or None.
+        isolated: whether this iteration is isolated (``sat_out`` or deferred admissions).
+        protected_updates: user -> protected (TTFT protection hysteresis states to commit).
     """
 
     batch: tuple[ScheduledSeq, ...]
@@ -157,6 +179,11 @@ class SchedulePlan:
     num_batched_tokens: int
     free_blocks_after: int
     admission_stop: str
+    sat_out: tuple[_Seq, ...] = ()
+    blocked: _Seq | None = None
+    reserve: _Seq | None = None
+    isolated: bool = False
+    protected_updates: dict[str, bool] = field(default_factory=dict)
 
     @property
     def requests(self) -> list[Request]:
@@ -185,11 +212,19 @@ class Scheduler:
         clock: a callable returning seconds; ``time.time`` by default.
         backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
             at every call.
-        policy: admission and victim policy (``FCFSPolicy``).
+        policy: admission and victim policy: ``policy.VTCPolicy()`` (fair share across users)
+            by default; ``policy.FCFSPolicy()`` and ``policy.RoundRobinPolicy()`` exist too.
         record_itl: keep per-token gaps for ITL percentiles (see ``MetricsRecorder``).
+        max_preemptions: most preemptions of one request (4); then it is re-admitted with its
+            worst-case blocks reserved and never preempted again. ``None``: no cap.
+        aging_ticks: ticks a request may be the first waiting request that does not fit while
+            backfill passes it (32); then blocks are reserved for it until it fits.
+        isolation: TTFT isolation for under-served users (``isolation.Isolation``): ``None``
+            turns it on when the policy asks for it (``VTCPolicy`` does), ``True``/``False``
+            force it, or pass a configured ``Isolation``.
 
     Raises:
-        ValueError: a knob is not a positive int.
+        ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int).
 
     Thread safety: ``submit``, ``has_active`` and ``metrics`` may be called from other threads
     while ``tick()`` runs; ``forward`` is called without holding the state lock, and ticks
@@ -210,6 +245,9 @@ class Scheduler:
         backend: Callable[[list[Request]], list[int]] | None = None,
         policy: Policy | None = None,
         record_itl: bool = True,
+        max_preemptions: int | None = MAX_PREEMPTIONS,
+        aging_ticks: int = AGING_TICKS,
+        isolation: Isolation | bool | None = None,
     ) -> None:
         stub = inference_stub
         self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
@@ -225,7 +263,22 @@ class Scheduler:
         self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
         self.clock: Callable[[], float] = clock or time.time
         self._backend = backend
-        self.policy: Policy = policy if policy is not None else FCFSPolicy()
+        self.policy: Policy = policy if policy is not None else VTCPolicy()
+        if max_preemptions is None:
+            max_preemptions = sys.maxsize
+        elif isinstance(max_preemptions, bool) or not isinstance(max_preemptions, int) or max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be an int >= 0 or None, got {max_preemptions!r}")
+        self.max_preemptions = max_preemptions
+        self.aging_ticks = _positive("aging_ticks", aging_ticks)
+        if isolation is None:
+            isolation = bool(getattr(self.policy, "isolation", False))
+        self.isolation: Isolation | None = (isolation if isinstance(isolation, Isolation)
+                                            else Isolation() if isolation else None)
+        self._weight_of: Callable[[str], int] = getattr(self.policy, "weight_of", None) or _unit_weight
+        self._resident_by_user: dict[str, int] = {}  # user -> resident requests
+        self._resident_weight = 0  # sum of the weights of users with a resident request
+        self._waiting_by_user: dict[str, int] = {}  # user -> queued or preempted requests
+        self._reserved: _Seq | None = None  # tried first; nothing else admitted until it fits
         self.pool = BlockPool(self.kv_cap_blocks)
         self.running: list[_Seq] = []
         self._by_obj: dict[int, _Seq] = {}
@@ -265,6 +318,7 @@ class Scheduler:
                 self._by_id[request.request_id] = seq
             self.stats.on_submit(now)
             self.policy.add(seq)
+            self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
 
     def tick(self) -> list[Request]:
         """Run one model iteration.
@@ -339,6 +393,8 @@ class Scheduler:
         grants: dict[_Seq, list[int]] = {}  # seq -> [num_new_tokens, new_blocks]
         order: list[_Seq] = []
         preempted: list[_Seq] = []
+        pending: list[_Seq] = []  # scheduled requests prefilling toward their first token
+        tick_no = self.stats.ticks
         live = list(self.running)  # resident requests not (yet) preempted in this plan
         i = 0
         while i < len(live):
@@ -346,7 +402,10 @@ class Scheduler:
             need = rules.growth_blocks(len(seq.block_table), seq.num_tokens, B)
             preempted_self = False
             while not rules.can_allocate(free, need):
-                victim = self.policy.choose_victim(live)
+                # Pinned requests are never victims; seq itself is not pinned (pinned ones never grow).
+                victim = self.policy.choose_victim([s for s in live if not s.pinned])
+                if not fr.may_preempt(victim.num_preemptions, self.max_preemptions, victim.admit_tick, tick_no):
+                    raise AssertionError(f"policy chose {victim.request_id}, which may not be preempted")
                 v = live.index(victim)
                 del live[v]
                 preempted.append(victim)
@@ -369,37 +428,57 @@ class Scheduler:
                 order.append(seq)
                 free -= need
                 budget -= n
+                if not seq.req.generated:
+                    pending.append(seq)
             i += 1
 
         admitted: list[_Seq] = []
+        blocked: list[_Seq] = []  # waiting candidates that did not fit, in the order tried
         if preempted:
             stop = "preempted"
         else:
             stop = "empty"
             resident = len(live)
-            for seq in self.policy.admission_order():
+            candidates = self.policy.admission_order()
+            reserved = self._reserved
+            if reserved is not None and reserved.state in lc.WAITING_STATES:  # the reservation goes first
+                candidates = itertools.chain((reserved,), (s for s in candidates if s is not reserved))
+            for seq in candidates:
                 if resident + len(admitted) >= self.max_running:
                     stop = "max_running"
                     break
                 if budget <= 0:
                     stop = "budget"
                     break
-                need = rules.blocks_needed(seq.num_tokens, B)
+                need = self._admission_blocks(seq)
                 if not rules.can_allocate(free, need):
                     stop = "kv"
-                    if self.policy.backfill:
-                        continue
-                    break
+                    blocked.append(seq)
+                    if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
+                            seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):
+                        break  # no backfill, or the reservation: nothing passes it
+                    if len(blocked) > BACKFILL_WINDOW:
+                        break
+                    continue
                 n = rules.chunk_tokens(seq.num_tokens, 0, chunk, budget)
                 grants[seq] = [n, need]
                 admitted.append(seq)
                 free -= need
                 budget -= n
-        adm = set(admitted)
-        batch = tuple(ScheduledSeq(s, grants[s][0], grants[s][1], s in adm) for s in order + admitted)
-        return SchedulePlan(batch=batch, preempted=tuple(preempted),
+                if not seq.req.generated:
+                    pending.append(seq)
+        d = PlanDraft(live=live, order=order, admitted=admitted, grants=grants, preempted=preempted,
+                      free_blocks=free, budget_tokens=budget, blocked=blocked, stop=stop, pending=pending)
+        if self.isolation is not None:
+            d.aging_due = bool(blocked) and fr.reserved_after(blocked[0].blocked_ticks + 1, self.aging_ticks)
+            self.isolation.refine(d, self)
+        adm = set(d.admitted)
+        batch = tuple(ScheduledSeq(s, d.grants[s][0], d.grants[s][1], s in adm) for s in d.order + d.admitted)
+        return SchedulePlan(batch=batch, preempted=tuple(d.preempted),
                             num_batched_tokens=sum(s.num_new_tokens for s in batch),
-                            free_blocks_after=free, admission_stop=stop)
+                            free_blocks_after=d.free_blocks, admission_stop=d.stop, sat_out=tuple(d.sat_out),
+                            blocked=next((s for s in d.blocked if s not in adm), None), reserve=d.reserve,
+                            isolated=d.isolated, protected_updates=d.protected_updates)
 
     def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
         """Before ``forward``: free the victims' blocks and grant the plan's blocks.
@@ -456,12 +535,15 @@ class Scheduler:
         now = self.clock()
         start_s = now if iteration_start_s is None else iteration_start_s
         pool = self.pool
+        tick_no = self.stats.ticks
         for seq in plan.preempted:  # blocks were freed by _commit_blocks
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
             _EVENTS["preempt"].trigger(seq)
             self.policy.requeue(seq)
             self.stats.preemptions += 1
+            self._leave_resident(seq)
+            self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
         gone = set(plan.preempted)
         finished: list[Request] = []
         for s, token in zip(plan.batch, tokens):
@@ -471,11 +553,22 @@ class Scheduler:
                 _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
                 seq.admit_no = self._admissions
                 self._admissions += 1
+                seq.admit_tick = tick_no
+                seq.pinned = fr.pinned(seq.num_preemptions, self.max_preemptions)
+                seq.blocked_ticks = 0
                 if seq.admitted_s is None:
                     seq.admitted_s = start_s
                 self.running.append(seq)
-            prompt_part = max(0, min(seq.num_computed_tokens + s.num_new_tokens, seq.num_prompt_tokens)
-                              - seq.num_computed_tokens) if seq.num_preemptions == 0 else 0
+                self._enter_resident(seq)
+                self._leave_waiting(seq)
+                if seq is self._reserved:
+                    self._reserved = None
+            prompt_part = 0
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt chunk: charged once per request
+                prompt_part = fr.new_prompt_tokens(seq.num_computed_tokens, s.num_new_tokens, seq.num_prompt_tokens,
+                                                   seq.num_prompt_tokens_served)
+                seq.num_prompt_tokens_served = fr.prompt_high_water(
+                    seq.num_prompt_tokens_served, seq.num_computed_tokens, s.num_new_tokens, seq.num_prompt_tokens)
             produced = rules.produces_token(seq.num_computed_tokens, s.num_new_tokens, seq.num_tokens)
             seq.num_computed_tokens += s.num_new_tokens
             if not produced:
@@ -505,16 +598,59 @@ class Scheduler:
             req.completed_at = now
             gone.add(seq)
             self._forget(seq)
+            self._leave_resident(seq)
             finished.append(req)
             self.stats.on_finish(user_id=seq.user_id, reason=reason, submitted_s=req.submitted_at,
                                  first_token_s=req.started_at, admitted_s=seq.admitted_s, completed_s=now,
                                  prompt_tokens=seq.num_prompt_tokens, output_tokens=len(req.generated))
         if gone:
             self.running = [s for s in self.running if s not in gone]
+        if plan.reserve is not None and plan.reserve.state in lc.WAITING_STATES:
+            self._reserved = plan.reserve  # room was made for it: nothing else takes the blocks
+        b = plan.blocked
+        if b is not None and b.state in lc.WAITING_STATES:
+            b.blocked_ticks += 1
+            if self._reserved is None and fr.reserved_after(b.blocked_ticks, self.aging_ticks):
+                self._reserved = b
+        if self.isolation is not None:
+            self.isolation.commit(plan.isolated, plan.protected_updates)
+            if plan.batch and iteration_start_s is not None:  # learn the latency of our own forward
+                self.isolation.model.observe(len(plan.batch), plan.num_batched_tokens, now - start_s)
         self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)
         return finished
 
     # ------------------------------------------------------------ helpers
+
+    def _admission_blocks(self, seq: _Seq) -> int:
+        """Blocks granted at admission: tokens + one slot, or the worst case for a pinned request."""
+        need = rules.blocks_needed(seq.num_tokens, self.block_tokens)
+        if fr.pinned(seq.num_preemptions, self.max_preemptions):
+            need = max(need, fr.worst_case_blocks(seq.num_prompt_tokens, seq.req.max_tokens,
+                                                  self.max_model_len_tokens, self.block_tokens))
+        return need
+
+    def _enter_resident(self, seq: _Seq) -> None:
+        c = self._resident_by_user.get(seq.user_id, 0)
+        if c == 0:
+            self._resident_weight += self._weight_of(seq.user_id)
+        self._resident_by_user[seq.user_id] = c + 1
+
+    def _leave_waiting(self, seq: _Seq) -> None:
+        """``seq`` leaves the waiting queue (admitted or aborted): per-user counts follow."""
+        c = self._waiting_by_user[seq.user_id] - 1
+        if c:
+            self._waiting_by_user[seq.user_id] = c
+        else:
+            del self._waiting_by_user[seq.user_id]
+
+    def _leave_resident(self, seq: _Seq) -> None:
+        """``seq`` stops being resident (preempted, finished or aborted): per-user counts follow."""
+        c = self._resident_by_user[seq.user_id] - 1
+        if c == 0:
+            del self._resident_by_user[seq.user_id]
+            self._resident_weight -= self._weight_of(seq.user_id)
+        else:
+            self._resident_by_user[seq.user_id] = c
 
     def _forget(self, seq: _Seq) -> None:
         self._by_obj.pop(id(seq.req), None)
@@ -584,6 +720,17 @@ class Scheduler:
                 assert rules.resident_covered(len(s.block_table), s.num_tokens, self.block_tokens), \
                     f"{s.request_id}: holds {len(s.block_table)} blocks for {s.num_tokens} tokens"
                 assert s.num_computed_tokens <= s.num_tokens, f"{s.request_id}: num_computed_tokens > num_tokens"
+            by_user: dict[str, int] = {}
+            for s in self.running:
+                by_user[s.user_id] = by_user.get(s.user_id, 0) + 1
+            assert by_user == self._resident_by_user, "resident counts per user"
+            assert sum(self._waiting_by_user.values()) == len(self.policy) and all(
+                self._waiting_by_user.values()), "waiting counts per user"
+            assert self._resident_weight == sum(self._weight_of(u) for u in by_user), "resident weight"
+
+
+def _unit_weight(user: str) -> int:
+    return 1
 
 
 def _positive(name: str, v: Any) -> int:
