@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -219,6 +220,7 @@ class Isolation:
         self.min_speedup = speed
         self.enter_share = share
         self.model = model if model is not None else LatencyModel()
+        self.peek_candidates = 16  # waiting candidates looked at when a growth preemption stops admission
         self.streak = 0
         self.protected: dict[str, bool] = {}
         self.isolated_ticks = 0
@@ -233,11 +235,12 @@ class Isolation:
         """
         heads = d.blocked
         if d.stop == "preempted" and not heads and len(sched.policy):
-            # A growth preemption stopped admission: the next candidate still decides isolation.
+            # A growth preemption stopped admission: the next candidates still decide isolation.
             r = sched._reserved
-            if r is None or r.state not in WAITING_STATES:
-                r = next(iter(sched.policy.admission_order()), None)
-            heads = [r] if r is not None else []
+            if r is not None and r.state in WAITING_STATES:
+                heads = [r]
+            else:
+                heads = list(islice(sched.policy.admission_order(), self.peek_candidates))
         if not d.pending and not heads:
             return
         weight_of = sched._weight_of
@@ -278,16 +281,22 @@ class Isolation:
         protected = {u for u, on in updates.items() if on}
         if not protected:
             return
+        # Shares as if the protected users' waiting heads joined the batch.
+        joining = {q.user_id for q in heads if q.user_id in protected and count(q.user_id) == 0}
+        total_j = total + len(joining)
+        total_wj = total_w + sum(weight_of(u) for u in joining)
         over = {u for u in set(res) | set(delta)
-                if count(u) > 0 and fr.over_served(count(u), weight_of(u), total, total_w)}
+                if count(u) > 0 and fr.over_served(count(u), weight_of(u), total_j, total_wj)}
         if not over:
             return
-        b = next((q for q in heads if q.user_id in protected), None)
-        if b is not None and (not d.aging_due or b is heads[0]):
+        targets = [q for q in heads if q.user_id in protected]
+        if d.aging_due:  # the first blocked request's reservation comes first: room for it only
+            targets = targets[:1] if targets and targets[0] is heads[0] else []
+        if targets:
             if d.stop != "preempted":
-                self._make_room(d, sched, b, over)
-            elif b is heads[0] and not d.blocked:
-                d.reserve = b  # admitted first next iteration; this one is isolated for it
+                self._make_room(d, sched, targets, protected, over)
+            elif not d.blocked:
+                d.reserve = targets[0]  # admitted first next iteration; this one is isolated for it
         keep = {q for q in d.pending if q.user_id in protected and q in d.grants}
         if d.reserve is None and not keep:
             return
@@ -307,46 +316,78 @@ class Isolation:
         d.drop(cut)
         d.isolated = True
 
-    def _make_room(self, d: PlanDraft, sched: Any, b: Any, over: set[str]) -> None:
-        """Admit ``b`` (a protected user's request that did not fit) by deferring this
-        iteration's over-served admissions, or else preempt over-served requests for it."""
-        need = sched._admission_blocks(b)
+    def _make_room(self, d: PlanDraft, sched: Any, targets: list[Any], protected: set[str], over: set[str]) -> None:
+        """Admit ``targets`` (protected users' requests that did not fit, in admission order).
+
+        First by deferring this iteration's admissions of over-served users; if that does not
+        fit them all, by preempting over-served requests (most-served user first, latest
+        admitted first, never pinned ones, never one admitted this tick) for as many of them as
+        possible, together with the protected requests admitted this iteration: then this
+        iteration admits nothing, and the first of them holds the reservation for the next.
+        """
         deferred = [q for q in d.admitted if q.user_id in over]
         free = d.free_blocks + sum(d.grants[q][1] for q in deferred)
         budget = d.budget_tokens + sum(d.grants[q][0] for q in deferred)
-        if (rules.can_allocate(free, need) and budget > 0
-                and len(d.live) + len(d.admitted) - len(deferred) < sched.max_running):
-            d.drop(deferred)
-            n = rules.chunk_tokens(b.num_tokens, 0, sched.prefill_chunk_tokens, d.budget_tokens)
-            d.grants[b] = [n, need]
-            d.admitted.append(b)
-            d.pending.append(b)
+        slots = sched.max_running - (len(d.live) + len(d.admitted) - len(deferred))
+        fits, left = [], []
+        for q in targets:
+            need = sched._admission_blocks(q)
+            if rules.can_allocate(free, need) and budget > 0 and slots > 0:
+                n = rules.chunk_tokens(q.num_tokens, 0, sched.prefill_chunk_tokens, budget)
+                fits.append((q, n, need))
+                free, budget, slots = free - need, budget - n, slots - 1
+            else:
+                left.append(q)
+        if left and self._preempt_for(d, sched, [q for q in d.admitted if q.user_id in protected] + targets, over):
+            return
+        if not fits:
+            return
+        d.drop(deferred)
+        for q, n, need in fits:
+            d.grants[q] = [n, need]
+            d.admitted.append(q)
+            d.pending.append(q)
             d.free_blocks -= need
             d.budget_tokens -= n
-            d.blocked.remove(b)
-            return
-        if len(deferred) < len(d.admitted):
-            return  # others were admitted this iteration and a preempting one admits nothing: b waits a tick
-        # Preempt: this iteration then admits nothing, so its (over-served) admissions give their blocks back.
-        free = d.free_blocks + sum(d.grants[q][1] for q in d.admitted)
+            d.blocked.remove(q)
+
+    def _preempt_for(self, d: PlanDraft, sched: Any, wanted: list[Any], over: set[str]) -> bool:
+        """Preempt over-served requests so that the longest possible prefix of ``wanted`` fits
+        next iteration, which must reach past the requests admitted this one. Returns whether
+        it did: then nothing is admitted this iteration and ``wanted[0]`` holds the reservation."""
+        n_admitted = sum(1 for q in wanted if q in d.grants)
+        free = d.free_blocks + sum(d.grants[q][1] for q in d.admitted)  # a preempting tick admits nothing
+        needs = [sched._admission_blocks(q) for q in wanted]
         cands = [q for q in d.live if q.user_id in over and not q.pinned]
-        victims = []
-        while not rules.can_allocate(free, need) and cands:
+        victims: list[Any] = []
+        covered, total = 0, 0  # the longest prefix of `wanted` that fits, and its blocks
+        while True:
+            while covered < len(wanted) and rules.can_allocate(free, total + needs[covered]):
+                total += needs[covered]
+                covered += 1
+            if covered == len(wanted) or not cands:
+                break
             v = sched.policy.choose_victim(cands)
             cands.remove(v)
-            if not fr.may_preempt(v.num_preemptions, sched.max_preemptions, v.admit_tick, sched.stats.ticks):
-                continue
-            victims.append(v)
-            free += len(v.block_table) + (d.grants[v][1] if v in d.grants else 0)
-        if not victims or not rules.can_allocate(free, need):
-            return  # cannot make room: b waits
+            if fr.may_preempt(v.num_preemptions, sched.max_preemptions, v.admit_tick, sched.stats.ticks):
+                victims.append(v)
+                free += len(v.block_table) + (d.grants[v][1] if v in d.grants else 0)
+        if covered <= n_admitted or not victims:
+            return False  # no waiting target gains from preempting: they wait
+        while len(victims) > 1:  # the last victims may not have been needed for the prefix
+            v = victims[-1]
+            if not rules.can_allocate(free - len(v.block_table) - (d.grants[v][1] if v in d.grants else 0), total):
+                break
+            free -= len(v.block_table) + (d.grants[v][1] if v in d.grants else 0)
+            victims.pop()
         d.drop(list(d.admitted) + [v for v in victims if v in d.grants])
         gone = set(victims)
         d.live = [q for q in d.live if q not in gone]
         d.preempted.extend(victims)
         d.free_blocks += sum(len(v.block_table) for v in victims)
         d.stop = "preempted"
-        d.reserve = b
+        d.reserve = wanted[0]
+        return True
 
     def commit(self, isolated: bool, protected_updates: dict[str, bool]) -> None:
         """After the iteration ran: advance the sit-out streak and the hysteresis states."""
