@@ -207,6 +207,8 @@ class VTCPolicy:
         backfill: admission may pass a waiting request that does not fit (the scheduler
             bounds it: ``aging_ticks``, ``BACKFILL_WINDOW``).
         isolation: ask the scheduler for TTFT isolation (``isolation.Isolation``).
+        admission_headroom: ask the scheduler to leave room for the next iteration's growth
+            at admission (``spec.fairness_rules.growth_headroom_blocks``): fewer preemptions.
 
     Raises:
         ValueError: a weight is not an int >= 1, or a price is not an int >= 0, or both are 0.
@@ -219,7 +221,8 @@ class VTCPolicy:
     """
 
     def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
-                 output_price: int = fr.OUTPUT_PRICE, backfill: bool = True, isolation: bool = True) -> None:
+                 output_price: int = fr.OUTPUT_PRICE, backfill: bool = True, isolation: bool = True,
+                 admission_headroom: bool = True) -> None:
         weights = dict(weights or {})
         for user, w in weights.items():
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -231,6 +234,7 @@ class VTCPolicy:
             raise ValueError("prompt_price and output_price cannot both be 0")
         self.backfill = backfill
         self.isolation = isolation
+        self.admission_headroom = admission_headroom
         self.prompt_price = prompt_price
         self.output_price = output_price
         self._weights = weights

@@ -222,6 +222,10 @@ class Scheduler:
         isolation: TTFT isolation for under-served users (``isolation.Isolation``): ``None``
             turns it on when the policy asks for it (``VTCPolicy`` does), ``True``/``False``
             force it, or pass a configured ``Isolation``.
+        admission_headroom: admissions leave ``ceil(resident / block_tokens)`` blocks free for
+            the next iteration's growth (``spec.fairness_rules.growth_headroom_blocks``), so a
+            request is not preempted right after its admission. ``None``: when the policy asks
+            for it (``VTCPolicy`` does; FCFS and round robin pack the cache as vLLM V1 does).
 
     Raises:
         ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int).
@@ -248,6 +252,7 @@ class Scheduler:
         max_preemptions: int | None = MAX_PREEMPTIONS,
         aging_ticks: int = AGING_TICKS,
         isolation: Isolation | bool | None = None,
+        admission_headroom: bool | None = None,
     ) -> None:
         stub = inference_stub
         self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
@@ -274,6 +279,8 @@ class Scheduler:
             isolation = bool(getattr(self.policy, "isolation", False))
         self.isolation: Isolation | None = (isolation if isinstance(isolation, Isolation)
                                             else Isolation() if isolation else None)
+        self.admission_headroom = bool(getattr(self.policy, "admission_headroom", False)
+                                       if admission_headroom is None else admission_headroom)
         self._weight_of: Callable[[str], int] = getattr(self.policy, "weight_of", None) or _unit_weight
         self._resident_by_user: dict[str, int] = {}  # user -> resident requests
         self._resident_weight = 0  # sum of the weights of users with a resident request
@@ -451,7 +458,9 @@ class Scheduler:
                     stop = "budget"
                     break
                 need = self._admission_blocks(seq)
-                if not rules.can_allocate(free, need):
+                headroom = (fr.growth_headroom_blocks(resident + len(admitted), B)
+                            if self.admission_headroom and seq is not reserved else 0)
+                if not fr.can_admit(free, need, headroom):
                     stop = "kv"
                     blocked.append(seq)
                     if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(

@@ -139,6 +139,22 @@ def may_preempt(num_preemptions: Int, max_preemptions: Int, admit_tick: Int, tic
     return And(num_preemptions < max_preemptions, admit_tick < tick)
 
 
+def growth_headroom_blocks(resident_requests: Int, block_tokens: Int) -> Int:
+    """Free blocks an admission must leave for the next iteration's growth: ``ceil(R / B)``.
+
+    Each resident request needs a new block once every ``block_tokens`` decode iterations, so
+    ``R`` of them need about ``R / B`` a tick; admitting into those blocks makes the next
+    iteration preempt the request just admitted (vLLM V0 kept a 1% watermark for this).
+    Zero when nothing else is resident, so every admissible request can still be admitted.
+    """
+    return cdiv(resident_requests, block_tokens)
+
+
+def can_admit(free_blocks: Int, need_blocks: Int, headroom_blocks: Int) -> Bool:
+    """The admission guard with headroom: ``need + headroom <= free``."""
+    return need_blocks + headroom_blocks <= free_blocks
+
+
 # ---------------------------------------------------------------- no starvation
 
 
