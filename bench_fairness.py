@@ -348,11 +348,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"   derived bound at the front of the order: aging_ticks + (K+1)*(chunks+max_tokens) + 1 = "
           f"{fr.admission_wait_bound(32, k, work)} ticks (aging 32, K={k}, work {work})")
 
-    print("\n== returning user: A and C backlogged; B idles, then returns with 200 requests ==")
+    print("\n== returning user: A and C backlogged; B idles, then returns with 200 requests at t = 8 s ==")
     print(f"{'policy':14} {'B share after return':>20} {'fair':>5}")
+    series = None
     for c in CONTENDERS:
         res = run(returning(0, n_backlog=600 // scale, n_return=200 // scale), c)
         print(f"{c.name:14} {share_after(res.scheduler.trace, 'B', 8.0, window_s=3.0):20.3f} {1 / 3:5.3f}")
+        if series is None:
+            series = service_per_window(res.scheduler.trace, ("A", "B", "C"), 6.0, 12.0, 1.0)
+    print("   per-user service over time, VTC+isolation (weighted tokens per 1 s window):")
+    print("      " + " ".join(f"{'t=%.0fs' % t:>8}" for t, _ in series))
+    for u in ("A", "B", "C"):
+        print(f"   {u}: " + " ".join(f"{w[u]:8.0f}" for _, w in series))
 
     if not a.no_realtime:
         print("\n== A/B burst on the real-time stub (inference_stub.forward sleeps; Scheduler() defaults) ==")
@@ -380,6 +387,18 @@ def max_wait_ticks(res: simulate.RunResult, users: Sequence[str]) -> int:
         if r.user_id in users:
             worst = max(worst, bisect_right(times, r.started_at) - bisect_left(times, r.submitted_at))
     return worst
+
+
+def service_per_window(trace, users: Sequence[str], t0_s: float, t1_s: float, step_s: float):
+    """``[(window start, {user: service in the window})]`` over ``[t0_s, t1_s)`` (clock seconds)."""
+    out = []
+    t = t0_s
+    while t < t1_s - 1e-9:
+        a = next((svc for tt, svc, _ in trace if tt >= t), trace[-1][1])
+        b = next((svc for tt, svc, _ in trace if tt >= t + step_s), trace[-1][1])
+        out.append((t, {u: b.get(u, 0.0) - a.get(u, 0.0) for u in users}))
+        t += step_s
+    return out
 
 
 def share_after(trace, user: str, t_s: float, *, window_s: float) -> float:
