@@ -384,7 +384,7 @@ class Scheduler:
                 if budget <= 0:
                     stop = "budget"
                     break
-                need = rules.blocks_needed(seq.num_tokens, B)
+                need = self._admission_blocks(seq)
                 if not rules.can_allocate(free, need):
                     stop = "kv"
                     if self.policy.backfill:
@@ -515,6 +515,14 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------ helpers
+
+    def _admission_blocks(self, seq: _Seq) -> int:
+        """KV blocks reserved when ``seq`` is admitted: its tokens plus the lookahead slot.
+
+        An override point for baselines (``baselines.ReservationScheduler`` reserves prompt +
+        ``max_tokens``); an override must return at least this and at most ``kv_cap_blocks``.
+        """
+        return rules.blocks_needed(seq.num_tokens, self.block_tokens)
 
     def _forget(self, seq: _Seq) -> None:
         self._by_obj.pop(id(seq.req), None)
