@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from backend_api import BatchItem
+from scheduler import Scheduler
 
-__all__ = ["ATTN_IMPLEMENTATION", "PagedKVCache", "ModelBackend", "tiny_llama", "load_model"]
+__all__ = ["ATTN_IMPLEMENTATION", "PagedKVCache", "ModelBackend", "tiny_llama", "load_model", "from_cli"]
 
 #: The name our attention function is registered under in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "batch_paged"
@@ -255,6 +256,27 @@ class ModelBackend:
         return {"backend": self, "kv_cap_blocks": self.num_blocks, "block_tokens": self.block_tokens,
                 "eos_token_id": self.eos_token_id, "vocab_size": self.vocab_size}
 
+    def make_scheduler(self, **kwargs: Any) -> Scheduler:
+        """A ``Scheduler`` wired to this backend (``scheduler_kwargs``, then ``attach``).
+
+        Args:
+            **kwargs: further ``Scheduler`` knobs (``clock``, ``token_budget_tokens``, ...). A
+                ``backend`` argument is ignored (``simulate.run_workload`` passes its stub's);
+                ``kv_cap_blocks`` and ``block_tokens`` must match the cache if given.
+        """
+        kwargs.pop("backend", None)
+        kw = self.scheduler_kwargs() | kwargs
+        return self.attach(Scheduler(**kw))
+
+    def describe(self) -> str:
+        """One line: model class, layers, parameters, dtype, device, cache size."""
+        cfg = self.model.config
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return (f"{type(self.model).__name__} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                f"vocabulary {self.vocab_size}, {n_params / 1e6:.2f} M parameters, EOS {self.eos_token_id}), "
+                f"{str(self.dtype).removeprefix('torch.')} on {self.device}; paged KV cache {self.num_blocks} blocks x "
+                f"{self.block_tokens} tokens = {self.cache.nbytes / 2**20:.1f} MiB")
+
     def attach(self, scheduler: Any) -> Any:
         """Check that ``scheduler`` matches this cache; with ``poison_freed_blocks``, poison the
         blocks its pool frees from now on. Returns the scheduler.
@@ -381,3 +403,28 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None,
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype or "auto",
                                                  attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+def from_cli(*, path: str | None = None, device: str | None = None, dtype: str = "float32",
+             num_blocks: int = 256, block_tokens: int = 16) -> ModelBackend:
+    """The backend ``simulate.py --backend model`` runs: a local checkpoint, or the tiny seeded Llama.
+
+    Args:
+        path: a checkpoint directory; ``None`` builds ``tiny_llama(seed=0)``.
+        device: a torch device name; ``None`` picks ``cuda`` when present, else ``cpu``.
+        dtype: ``float32``, ``float64``, ``bfloat16`` or ``float16``.
+        num_blocks, block_tokens: the paged KV cache's size.
+
+    Raises:
+        ValueError: an unknown dtype. FileNotFoundError: ``path`` is not a checkpoint directory.
+    """
+    dtypes = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if path is None and torch.device(dev).type == "cpu":
+        # The tiny model's ops are microseconds long: intra-op threads only add spin-waits, which
+        # stall an iteration for ~0.4 s when another process holds the cores (measured on 2 cores).
+        torch.set_num_threads(1)
+    model = load_model(path, dtype=dtypes[dtype], device=dev) if path else tiny_llama(dtype=dtypes[dtype], device=dev)
+    return ModelBackend(model, num_blocks=num_blocks, block_tokens=block_tokens)

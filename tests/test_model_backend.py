@@ -18,6 +18,8 @@ pytest.importorskip("transformers", reason="needs the 'model' extra: pip install
 
 from conftest import StepClock  # noqa: E402
 
+torch.set_num_threads(1)  # tiny ops: intra-op threads only spin, and stall when the 2 cores are shared
+
 from backend_api import BatchItem  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from model_backend import ModelBackend, PagedKVCache, tiny_llama  # noqa: E402
@@ -153,16 +155,18 @@ def staggered_workload(n: int = 12):
     return out
 
 
-def test_batched_equals_alone_under_chunking_budget_splits_and_preemption(ref_model):
-    workload = staggered_workload()
-    sched, rec, backend = run_batch(workload, num_blocks=24, budget_tokens=90)
+@pytest.mark.parametrize("num_blocks, budget_tokens, n_requests", [(24, 90, 12), (16, 37, 12), (20, 61, 16)])
+def test_batched_equals_alone_under_chunking_budget_splits_and_preemption(ref_model, num_blocks, budget_tokens,
+                                                                          n_requests):
+    workload = staggered_workload(n_requests)
+    sched, rec, backend = run_batch(workload, num_blocks=num_blocks, budget_tokens=budget_tokens)
     reqs = [r for _, r in workload]
-    assert all(len(r.prompt) + r.max_tokens < 24 * 16 for r in reqs)  # the length limit never binds
+    assert all(len(r.prompt) + r.max_tokens < num_blocks * 16 for r in reqs)  # the length limit never binds
     assert_batched_equals_alone(ref_model, reqs, backend)
     m = sched.metrics()
     assert m["preemptions"] > 0
     assert m["finish_reasons"].get("stop", 0) > 0 and m["finish_reasons"].get("length", 0) > 0
-    assert m["kv_blocks_in_use"] == 0 and sched.pool.num_free == 24
+    assert m["kv_blocks_in_use"] == 0 and sched.pool.num_free == num_blocks
     items = [it for call in rec.calls for it in call]
     assert any(not it.sample and len(it.token_ids) < 64 for it in items), "no chunk cut short by the budget"
     assert any(any(map(is_prefill, call)) and any(map(is_decode, call)) for call in rec.calls), "no mixed iteration"
@@ -235,3 +239,35 @@ def test_failed_iteration_leaves_the_cache_unchanged_and_the_retry_matches_alone
     sched, rec, backend = run_batch(workload, num_blocks=11, poison=False, before_tick=fail_the_preempting_tick_once)
     assert failed and sched.metrics()["preemptions"] == 1
     assert_batched_equals_alone(ref_model, [r for _, r in workload], backend)
+
+
+def test_simulate_runs_a_workload_on_the_model_backend(capsys):
+    import simulate
+
+    assert simulate.main(["--backend", "model", "--n", "6", "--rate", "1000", "--kv-cap-blocks", "24",
+                          "--token-budget", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "model backend: LlamaForCausalLM (2 layers, hidden 64" in out
+    assert "requests finished                  6" in out and "KV cap 24 blocks" in out
+
+
+def test_backend_refuses_a_mismatched_scheduler_and_a_short_block_table():
+    backend = ModelBackend(model(), num_blocks=8)
+    with pytest.raises(ValueError, match="8 of 16"):
+        backend.attach(Scheduler(backend=backend, kv_cap_blocks=9))
+    r = Request(user_id="u", prompt=prompt_of(0, 20), max_tokens=2, request_id="x")
+    with pytest.raises(ValueError, match="cannot hold 20 tokens"):
+        backend.execute_model([BatchItem(r, tuple(r.prompt), 0, (0,), True)])
+    with pytest.raises(ValueError, match="outside the pool"):
+        backend.execute_model([BatchItem(r, tuple(r.prompt), 0, (0, 8), True)])
+    assert all(float(t.abs().sum()) == 0 for t in backend.cache.k + backend.cache.v)  # nothing written
+
+
+def test_paged_kv_cache_layout_and_poison():
+    cache = PagedKVCache(num_layers=1, num_blocks=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DTYPE,
+                         device="cpu")
+    assert cache.slots((3, 1), 14, 18).tolist() == [62, 63, 16, 17]
+    cache.poison([1])
+    assert torch.isnan(cache.k[0][1]).all() and not torch.isnan(cache.k[0][0]).any()
+    with pytest.raises(ValueError):
+        PagedKVCache(num_layers=0, num_blocks=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DTYPE, device="cpu")
