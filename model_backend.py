@@ -29,7 +29,6 @@ Requires the ``model`` extra: ``pip install -e '.[model]'`` (torch, transformers
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -162,9 +161,17 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     Raises:
         RuntimeError: called without ``paged_batch`` (the model was run outside ``ModelBackend``).
+        NotImplementedError: the layer asks for logit soft-capping, attention sinks or a
+            sliding window shorter than the cache.
     """
     if paged_batch is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs only inside ModelBackend.execute_model")
+    window = kwargs.get("sliding_window")
+    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+    if window is not None and window < paged_batch.cache.num_blocks * paged_batch.cache.block_tokens:
+        unsupported.append("sliding_window")
+    if unsupported:  # attention variants this function does not compute: refuse rather than differ silently
+        raise NotImplementedError(f"paged attention does not support {unsupported}")
     layer = module.layer_idx
     cache = paged_batch.cache
     gqa = getattr(module, "num_key_value_groups", 1) > 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import inference_stub
-from backend_api import BatchItem, batch_items
+from backend_api import batch_items
 from inference_stub import Request
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
@@ -33,7 +33,7 @@ from spec import lifecycle as lc
 from spec import rules
 
 __all__ = ["Scheduler", "SchedulePlan", "ScheduledSeq", "RequestError", "InvalidRequestError",
-           "PromptTooLongError", "DuplicateRequestError", "BackendError", "forward", "Request", "BatchItem"]
+           "PromptTooLongError", "DuplicateRequestError", "BackendError", "forward", "Request"]
 
 #: Prefill chunk: prompts longer than this are prefilled over several iterations (tokens).
 PREFILL_CHUNK_TOKENS = 64
