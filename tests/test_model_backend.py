@@ -271,3 +271,19 @@ def test_paged_kv_cache_layout_and_poison():
     assert torch.isnan(cache.k[0][1]).all() and not torch.isnan(cache.k[0][0]).any()
     with pytest.raises(ValueError):
         PagedKVCache(num_layers=0, num_blocks=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DTYPE, device="cpu")
+
+
+def test_a_local_checkpoint_directory_loads_and_matches_alone(ref_model, tmp_path):
+    from model_backend import from_cli
+
+    model().save_pretrained(tmp_path)  # config.json + model.safetensors, as a downloaded checkpoint has
+    backend = from_cli(path=str(tmp_path), dtype="float64", num_blocks=16)
+    assert backend.eos_token_id == EOS and backend.vocab_size == 256
+    sched = backend.make_scheduler(clock=StepClock())
+    r = Request(user_id="u", prompt=prompt_of(9, 100), max_tokens=25, request_id="ckpt")
+    sched.submit(r)
+    while sched.has_active():
+        sched.tick()
+    assert r.generated == alone(ref_model, r.prompt, r.max_tokens)[0]
+    with pytest.raises(FileNotFoundError):
+        from_cli(path=str(tmp_path / "missing"))
