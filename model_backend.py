@@ -384,7 +384,8 @@ def tiny_llama(*, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, n
 
     Returns:
         A ``LlamaForCausalLM`` in eval mode with ``attn_implementation="sdpa"`` (the plain
-        transformers path; ``ModelBackend`` switches its own copy to the paged one).
+        transformers path, the reference in tests; ``ModelBackend`` switches the model it is given
+        to the paged one).
     """
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
