@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import inference_stub
+from backend_api import batch_items
 from inference_stub import Request
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
@@ -184,7 +185,8 @@ class Scheduler:
         vocab_size: prompts must use ids below this (``VOCAB_SIZE``; ``None`` disables).
         clock: a callable returning seconds; ``time.time`` by default.
         backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
-            at every call.
+            at every call. A backend with an ``execute_model`` method (``backend_api``) is
+            given ``BatchItem``s instead: token ids, ``num_computed_tokens``, block table.
         policy: admission and victim policy (``FCFSPolicy``).
         record_itl: keep per-token gaps for ITL percentiles (see ``MetricsRecorder``).
 
@@ -286,8 +288,9 @@ class Scheduler:
             tokens: Sequence[int] = []
             if batch:
                 backend = self._backend or forward  # looked up now, so a wrapped forward is seen
+                execute_model = getattr(backend, "execute_model", None)  # a paged model runner
                 try:
-                    tokens = backend(batch)
+                    tokens = execute_model(batch_items(plan)) if execute_model else backend(batch)
                     self._check_tokens(tokens, batch)
                 except Exception as e:  # noqa: BLE001 - any backend failure undoes the tick
                     with self._lock:
