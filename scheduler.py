@@ -264,7 +264,8 @@ class Scheduler:
             DuplicateRequestError: the object, or its non-empty ``request_id``, is in flight.
 
         On any error nothing changes except the refusal count in ``metrics()`` (the request's
-        fields included: ``submitted_at`` is stamped only on acceptance). Thread-safe: may be
+        fields included: on acceptance only, ``submitted_at`` is stamped and ``started_at``,
+        ``completed_at`` are cleared). Thread-safe: may be
         called from any thread, also while ``tick()`` runs (the request joins a later tick).
         A prompt that fits but whose ``prompt + max_tokens`` exceeds the cache is accepted; it
         finishes with reason ``"length"`` when prompt + generated reach ``kv_cap_blocks *
@@ -278,6 +279,7 @@ class Scheduler:
                 raise
             now = self.clock()
             request.submitted_at = now
+            request.started_at = request.completed_at = None  # a resubmitted (aborted) object starts afresh
             seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt)
             self._arrivals += 1
             self._by_obj[id(request)] = seq

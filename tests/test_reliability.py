@@ -137,6 +137,18 @@ def test_prompt_plus_max_tokens_over_the_cap_is_accepted_and_stops_at_the_cap_wi
     assert len(r.prompt) + len(r.generated) == 64 == s.kv_cap_blocks * s.block_tokens
 
 
+def test_an_aborted_queued_request_object_can_be_resubmitted_and_starts_afresh():
+    s = new(max_running=1)
+    a, b = make_req("a", max_tokens=2), make_req("b", max_tokens=2)
+    s.submit(a)
+    s.submit(b)
+    s.tick()
+    assert s.abort(b) is b and b.completed_at is not None and b.generated == []
+    s.submit(b)
+    assert b.completed_at is None and b.started_at is None
+    assert drain(s) == [a, b] and b.completed_at is not None
+
+
 def test_resubmitting_a_finished_request_object_is_refused_until_reset():
     s = new()
     r = make_req("a", max_tokens=2)
