@@ -90,6 +90,7 @@ def memory(n: int, users: int, rate: float, seed: int) -> None:
     finished = 0
     marks = {n * k // 10 for k in range(1, 11)}
     rows = []
+    snaps = []
     base = tracemalloc.get_traced_memory()[0]
     while nxt is not None or s.has_active():
         while nxt is not None and nxt.submitted_at <= clock.now():
@@ -100,13 +101,21 @@ def memory(n: int, users: int, rate: float, seed: int) -> None:
             for _ in done:
                 finished += 1
                 if finished in marks:
+                    gc.collect()  # count what is reachable, not cyclic garbage awaiting collection
                     cur, peak = tracemalloc.get_traced_memory()
                     rows.append((finished, cur - base, peak - base, len(s.policy), len(s.running)))
+                    if len(rows) in (2, 10):
+                        snaps.append((finished, tracemalloc.take_snapshot()))
             del done
         elif nxt is not None:
             clock.advance_to(nxt.submitted_at)
     tracemalloc.stop()
-    print(f"[memory] streaming driver, {n} requests; tracemalloc, bytes above the start")
+    by_file: dict[str, int] = {}
+    if len(snaps) == 2:
+        for st in snaps[1][1].compare_to(snaps[0][1], "filename"):
+            name = st.traceback[0].filename.rsplit("/", 1)[-1]
+            by_file[name] = by_file.get(name, 0) + st.size_diff
+    print(f"[memory] streaming driver, {n} requests; tracemalloc after gc.collect(), bytes above the start")
     print(f"  {'finished':>9} {'current':>12} {'peak':>12} {'waiting':>8} {'running':>8}")
     for f, cur, peak, w, r in rows:
         print(f"  {f:>9} {cur:>12,} {peak:>12,} {w:>8} {r:>8}")
@@ -114,6 +123,11 @@ def memory(n: int, users: int, rate: float, seed: int) -> None:
         (f0, c0, *_), (f1, c1, *_) = rows[1], rows[-1]
         print(f"  growth from {f0} to {f1} finished: {(c1 - c0) / (f1 - f0):.1f} bytes per finished request "
               f"(metrics samples: e2e, ttft, tpot, queue + per-user e2e, ttft = 6 x 8 bytes)")
+    if by_file:
+        (f0, _), (f1, _) = snaps
+        top = sorted(by_file.items(), key=lambda kv: -abs(kv[1]))[:4]
+        print(f"  growth from {f0} to {f1} finished, by allocating file: "
+              + ", ".join(f"{name} {size:+,} B" for name, size in top))
     print(f"  retained after the run: {retained(s)}")
 
 

@@ -754,6 +754,23 @@ def test_endurance_5000_requests_1000_users_all_complete_nothing_retained():
     assert_idle_and_empty(s)
 
 
+def test_overload_burst_drains_and_admission_recovers():
+    import bench_load
+    import simulate
+    burst = bench_load.make_workload(2000, users=100, rate_per_s=1e9, seed=5)  # all within microseconds
+    res = simulate.run_workload(burst, virtual=True, gpu_seed=2, record_itl=False, max_ticks=200_000)
+    s = res.scheduler
+    assert len(res.finished) == 2000 and res.refused == []
+    assert_idle_and_empty(s)
+    late = make_req("late", max_tokens=3)
+    s.submit(late)
+    s.tick()
+    assert len(late.generated) == 1  # admitted and prefilled at the first tick after the storm
+    drain(s)
+    assert late.completed_at is not None
+    assert_idle_and_empty(s)
+
+
 def test_finished_requests_are_not_referenced_by_the_scheduler():
     s = new(kv_cap_blocks=32)
     refs = []
