@@ -265,8 +265,8 @@ class Scheduler:
 
         On any error nothing changes except the refusal count in ``metrics()`` (the request's
         fields included: on acceptance only, ``submitted_at`` is stamped and ``started_at``,
-        ``completed_at`` are cleared). Thread-safe: may be
-        called from any thread, also while ``tick()`` runs (the request joins a later tick).
+        ``completed_at`` are cleared). Thread-safe: may be called from any thread, also while
+        ``tick()`` runs (the request joins a later tick).
         A prompt that fits but whose ``prompt + max_tokens`` exceeds the cache is accepted; it
         finishes with reason ``"length"`` when prompt + generated reach ``kv_cap_blocks *
         block_tokens`` tokens (vLLM's ``max_model_len`` rule).
