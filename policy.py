@@ -240,7 +240,7 @@ class VTCPolicy:
         self._weights = weights
         self._q = _Waiting()
         self._counter: dict[str, int] = {}
-        self._unfolded: dict[str, int] = {}  # service units not yet folded into the counter
+        self._unfolded: dict[str, list[int]] = {}  # [prompt, output] tokens not yet in the counter
         self._last_admit: dict[str, int] = {}
         self._user_no: dict[str, int] = {}
         self._ver: dict[str, int] = {}
@@ -255,9 +255,10 @@ class VTCPolicy:
 
     def counter(self, user: str) -> int:
         """The user's virtual token counter, in counter units (0 for an unknown user)."""
-        units = self._unfolded.pop(user, 0)
         c = self._counter.get(user, 0)
-        if units:
+        acc = self._unfolded.pop(user, None)
+        if acc is not None:
+            units = fr.service_units(acc[0], acc[1], self.prompt_price, self.output_price)
             c = self._counter[user] = fr.charged_counter(c, units, self.weight_of(user))
         return c
 
@@ -268,13 +269,16 @@ class VTCPolicy:
     def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
         """Charge ``seq``'s user: w_p per first-time prompt token, w_q per output token.
 
-        O(1): units are added up and folded into the counter (``charged_counter``) when the
-        counter is next read, once per user rather than once per request.
+        O(1), every request every tick: the tokens are added up and folded into the counter
+        (``service_units``, ``charged_counter``) when the counter is next read, once per user
+        rather than once per request.
         """
-        units = fr.service_units(prompt_tokens, output_tokens, self.prompt_price, self.output_price)
-        if units:
-            u = seq.user_id
-            self._unfolded[u] = self._unfolded.get(u, 0) + units
+        acc = self._unfolded.get(seq.user_id)
+        if acc is None:
+            self._unfolded[seq.user_id] = [prompt_tokens, output_tokens]
+        else:
+            acc[0] += prompt_tokens
+            acc[1] += output_tokens
 
     # -------------------------------------------------------- the waiting queue
 

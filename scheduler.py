@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import inference_stub
+from backend_api import batch_items
 from inference_stub import Request
 from isolation import Isolation, PlanDraft
 from kv_cache import BlockPool
@@ -211,10 +212,15 @@ class Scheduler:
         vocab_size: prompts must use ids below this (``VOCAB_SIZE``; ``None`` disables).
         clock: a callable returning seconds; ``time.time`` by default.
         backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
-            at every call.
+            at every call. A backend with an ``execute_model`` method (``backend_api``) is
+            given ``BatchItem``s instead: token ids, ``num_computed_tokens``, block table.
         policy: admission and victim policy: ``policy.VTCPolicy()`` (fair share across users)
             by default; ``policy.FCFSPolicy()`` and ``policy.RoundRobinPolicy()`` exist too.
         record_itl: keep per-token gaps for ITL percentiles (see ``MetricsRecorder``).
+        max_backend_tries: the retry policy for backend faults. ``None`` (default): every failed
+            tick raises ``BackendError`` and changes nothing, for ever. ``N``: the N-th
+            consecutive failed tick fails the requests of its batch instead (finish reason
+            ``"error"``, blocks freed, returned by that ``tick()``); other requests are untouched.
         max_preemptions: most preemptions of one request (4); then it is re-admitted with its
             worst-case blocks reserved and never preempted again. ``None``: no cap.
         aging_ticks: ticks a request may be the first waiting request that does not fit while
@@ -230,9 +236,10 @@ class Scheduler:
     Raises:
         ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int).
 
-    Thread safety: ``submit``, ``has_active`` and ``metrics`` may be called from other threads
-    while ``tick()`` runs; ``forward`` is called without holding the state lock, and ticks
-    are serialised (a second thread's ``tick()`` waits for the first).
+    Thread safety: ``submit``, ``abort``, ``has_active`` and ``metrics`` may be called from
+    other threads while ``tick()`` runs; ``forward`` is called without holding the state lock,
+    and ticks are serialised (a second thread's ``tick()`` waits for the first). See
+    ``docs/reliability.md``.
     """
 
     def __init__(
@@ -249,6 +256,7 @@ class Scheduler:
         backend: Callable[[list[Request]], list[int]] | None = None,
         policy: Policy | None = None,
         record_itl: bool = True,
+        max_backend_tries: int | None = None,
         max_preemptions: int | None = MAX_PREEMPTIONS,
         aging_ticks: int = AGING_TICKS,
         isolation: Isolation | bool | None = None,
@@ -295,6 +303,13 @@ class Scheduler:
         self._lock = threading.RLock()
         self._tick_lock = threading.Lock()  # one tick at a time; forward runs outside self._lock
         self.stats = MetricsRecorder(record_itl=record_itl)
+        self.max_backend_tries = None if max_backend_tries is None else _positive("max_backend_tries",
+                                                                                  max_backend_tries)
+        self._backend_failures = 0  # consecutive failed ticks (the retry policy's count)
+        self._inflight: tuple[SchedulePlan, int] | None = None  # (plan, ticking thread) while forward runs
+        self._last_tick: tuple[SchedulePlan | None, list[Request], str | None] = (None, [], None)
+        self._pending_aborts: list[_Seq] = []  # aborts of in-flight requests, applied when the tick ends
+        self._tick_done = threading.Condition(self._lock)  # notified when pending aborts were applied
 
     # ------------------------------------------------------------ the contract
 
@@ -308,7 +323,13 @@ class Scheduler:
                 ``kv_cap_blocks`` blocks (it could never run).
             DuplicateRequestError: the object, or its non-empty ``request_id``, is in flight.
 
-        On any error nothing changes except the refusal count in ``metrics()``.
+        On any error nothing changes except the refusal count in ``metrics()`` (the request's
+        fields included: on acceptance only, ``submitted_at`` is stamped and ``started_at``,
+        ``completed_at`` are cleared). Thread-safe: may be called from any thread, also while
+        ``tick()`` runs (the request joins a later tick).
+        A prompt that fits but whose ``prompt + max_tokens`` exceeds the cache is accepted; it
+        finishes with reason ``"length"`` when prompt + generated reach ``kv_cap_blocks *
+        block_tokens`` tokens (vLLM's ``max_model_len`` rule).
         """
         with self._lock:
             try:
@@ -318,6 +339,7 @@ class Scheduler:
                 raise
             now = self.clock()
             request.submitted_at = now
+            request.started_at = request.completed_at = None  # a resubmitted (aborted) object starts afresh
             seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt)
             self._arrivals += 1
             self._by_obj[id(request)] = seq
@@ -332,36 +354,110 @@ class Scheduler:
 
         Returns:
             The requests that finished in this iteration (EOS, ``max_tokens``, or the cache's
-            length limit), each with ``completed_at`` set and its blocks already freed.
+            length limit), each with ``completed_at`` set and its blocks already freed; with
+            ``max_backend_tries``, the requests of a batch failed by the retry policy.
+            ``last_finished`` gives each one's finish reason. Aborted requests are never
+            returned here (``abort`` returns them).
 
         Raises:
             BackendError: ``forward`` raised or returned a wrong number of tokens or a
                 non-int; the tick is not applied, so calling ``tick()`` again retries it.
+            BaseException: one that is not an ``Exception`` (``KeyboardInterrupt``) raised
+                inside ``forward`` is re-raised as it is, after the same rollback.
         """
         with self._tick_lock:
             with self._lock:
+                start_s = self.clock()
                 plan = self.schedule()
                 journal = self._commit_blocks(plan)
-            start_s = self.clock()
+                self._inflight = (plan, threading.get_ident())
             batch = plan.requests
             tokens: Sequence[int] = []
             if batch:
                 backend = self._backend or forward  # looked up now, so a wrapped forward is seen
+                execute_model = getattr(backend, "execute_model", None)  # a paged model runner
                 try:
-                    tokens = backend(batch)
+                    tokens = execute_model(batch_items(plan)) if execute_model else backend(batch)
                     self._check_tokens(tokens, batch)
-                except Exception as e:  # noqa: BLE001 - any backend failure undoes the tick
+                except BaseException as e:  # any failure undoes the tick, even KeyboardInterrupt
                     with self._lock:
                         self._rollback_blocks(journal)
-                    if isinstance(e, BackendError):
+                        self._end_inflight()
+                    if not isinstance(e, Exception):
                         raise
-                    raise BackendError(f"forward raised {type(e).__name__}: {e}",
-                                       [r.request_id for r in batch]) from e
+                    return self._on_backend_failure(plan, e)
             with self._lock:
-                return self.update_from_output(plan, tokens, iteration_start_s=start_s)
+                self._backend_failures = 0
+                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
+                self._last_tick = (plan, finished, None)
+                self._end_inflight()
+                return finished
+
+    def abort(self, request: Request | str) -> Request | None:
+        """Cancel a request in any live state (queued, prefilling, decoding, preempted).
+
+        The request leaves at once: its KV blocks are freed in this call, its lifecycle fires
+        ``abort`` (state ``aborted``), ``completed_at`` is stamped, ``generated`` keeps the
+        tokens it had, and it is counted under ``finish_reasons["abort"]`` in ``metrics()``
+        (not in the latency or throughput figures). It is returned here, once; ``tick()``
+        never returns it.
+
+        Thread-safe. If the request takes part in a ``tick()`` running in another thread (in
+        its batch, whose block tables ``forward`` may be reading, or among its preempted), the
+        abort is deferred to the end of that tick and this call waits for it (one iteration,
+        never more): the tick aborts the request right after applying its output, in the
+        same locked step that ends it, so no later tick can schedule it. If that tick
+        finished the request (EOS, length, or the retry policy's ``"error"``), ``tick()``
+        returns it and this call returns ``None``. Any other request is aborted without
+        waiting. When two threads abort the same in-flight request, one gets it.
+
+        Args:
+            request: the ``Request`` object, or its non-empty ``request_id``.
+
+        Returns:
+            The aborted ``Request``; ``None`` when nothing live matches (unknown, empty or
+            already finished / aborted id): a no-op.
+
+        Raises:
+            RuntimeError: called from inside ``forward`` (on the ticking thread) for a request
+                of the batch being computed; waiting would deadlock.
+        """
+        with self._lock:
+            seq = self._lookup(request)
+            if seq is None:
+                return None
+            inflight = self._inflight
+            if inflight is None or not _in_plan(seq, inflight[0]):
+                return self._retire(seq, "abort", self.clock())
+            if inflight[1] == threading.get_ident():
+                raise RuntimeError(f"abort({seq.request_id!r}) from inside forward of the batch that holds it")
+            mine = not any(p is seq for p in self._pending_aborts)
+            if mine:
+                self._pending_aborts.append(seq)
+            while self._inflight is inflight:  # _end_inflight retires it and wakes us
+                self._tick_done.wait()
+            return seq.req if mine and seq.finish_reason == "abort" else None
+
+    @property
+    def last_finished(self) -> list[tuple[Request, str]]:
+        """``(request, finish_reason)`` for each request the last ``tick()`` returned, in order.
+
+        Reasons: ``"stop"`` (EOS), ``"length"`` (``max_tokens`` or the cache length) and
+        ``"error"`` (failed by the ``max_backend_tries`` retry policy). Replaced at every tick
+        that returns; only that tick's requests are kept.
+        """
+        with self._lock:
+            plan, finished, reason = self._last_tick
+            if reason is not None or plan is None:
+                return [(r, reason or "") for r in finished]
+            by_req = {id(s.seq.req): s.seq.finish_reason for s in plan.batch}
+            return [(r, by_req[id(r)]) for r in finished]
 
     def has_active(self) -> bool:
-        """True while any request is queued, resident (prefilling or decoding) or preempted."""
+        """True while any request is queued, resident (prefilling or decoding) or preempted.
+
+        When it is False, no KV block is in use. Thread-safe (also during ``tick()``).
+        """
         with self._lock:
             return bool(self.running) or len(self.policy) > 0
 
@@ -373,6 +469,8 @@ class Scheduler:
             the first submit to the last completion), ``avg_latency_s`` and ``p99_latency_s``
             (``completed_at - submitted_at``, linear-interpolation percentile) and
             ``gpu_utilization`` (non-empty ticks / ticks), all floats, 0.0 before any finish.
+            Refused submits are counted in ``refusals`` / ``refusals_by_reason``; aborted and
+            failed requests in ``finish_reasons`` only. Thread-safe (also during ``tick()``).
         """
         with self._lock:
             return self.stats.summary(kv_blocks_in_use=self.pool.num_used, kv_cap_blocks=self.kv_cap_blocks,
@@ -628,10 +726,77 @@ class Scheduler:
         self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)
         return finished
 
+    # ------------------------------------------------------------ reliability: abort, backend faults
+
+    def _lookup(self, request: Any) -> _Seq | None:
+        """The live record for a ``Request`` object or a non-empty ``request_id``, else None."""
+        if isinstance(request, str):
+            return self._by_id.get(request) if request else None
+        return self._by_obj.get(id(request))
+
+    def _retire(self, seq: _Seq, reason: str, now_s: float) -> Request:
+        """Take a live request out without completing it (``abort`` event, reason ``abort`` / ``error``).
+
+        Frees its blocks (a resident request) or takes it off the waiting queue. Expects the
+        state lock held and ``seq`` not in an in-flight plan.
+        """
+        if seq.state in lc.WAITING_STATES:
+            self.policy.remove(seq)
+            self._leave_waiting(seq)
+            if seq is self._reserved:
+                self._reserved = None
+        else:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+            self.running.remove(seq)
+            self._leave_resident(seq)
+        seq.finish_reason = reason
+        _EVENTS["abort"].trigger(seq)
+        seq.req.completed_at = now_s
+        self._forget(seq)
+        self.stats.on_cancel(reason)
+        return seq.req
+
+    def _end_inflight(self) -> None:
+        """The in-flight tick is over (applied or rolled back): retire the aborts deferred to its end.
+
+        Expects the state lock held. Requests the tick finished are left alone (``tick()``
+        returns them); the waiting ``abort`` calls are woken.
+        """
+        self._inflight = None
+        if self._pending_aborts:
+            now = self.clock()
+            for seq in self._pending_aborts:
+                if self._by_obj.get(id(seq.req)) is seq:
+                    self._retire(seq, "abort", now)
+            self._pending_aborts.clear()
+            self._tick_done.notify_all()
+
+    def _on_backend_failure(self, plan: SchedulePlan, e: Exception) -> list[Request]:
+        """After a rolled-back tick: raise ``BackendError``, or fail the batch (``max_backend_tries``)."""
+        with self._lock:
+            self._backend_failures += 1
+            if self.max_backend_tries is None or self._backend_failures < self.max_backend_tries:
+                if isinstance(e, BackendError):
+                    raise e
+                raise BackendError(f"forward raised {type(e).__name__}: {e}",
+                                   [r.request_id for r in plan.requests]) from e
+            self._backend_failures = 0
+            now = self.clock()
+            failed = [self._retire(s.seq, "error", now) for s in plan.batch
+                      if self._by_obj.get(id(s.seq.req)) is s.seq]  # not aborted meanwhile
+            self._last_tick = (plan, failed, "error")
+            return failed
+
     # ------------------------------------------------------------ helpers
 
     def _admission_blocks(self, seq: _Seq) -> int:
-        """Blocks granted at admission: tokens + one slot, or the worst case for a pinned request."""
+        """KV blocks reserved when ``seq`` is admitted: its tokens plus the lookahead slot, or
+        its worst case once it is pinned (``spec.fairness_rules.pinned``).
+
+        An override point for baselines (``baselines.ReservationScheduler`` reserves prompt +
+        ``max_tokens``); an override must return at least this and at most ``kv_cap_blocks``.
+        """
         need = rules.blocks_needed(seq.num_tokens, self.block_tokens)
         if fr.pinned(seq.num_preemptions, self.max_preemptions):
             need = max(need, fr.worst_case_blocks(seq.num_prompt_tokens, seq.req.max_tokens,
@@ -740,6 +905,11 @@ class Scheduler:
 
 def _unit_weight(user: str) -> int:
     return 1
+
+
+def _in_plan(seq: _Seq, plan: SchedulePlan) -> bool:
+    """Whether ``seq`` takes part in ``plan`` (in its batch or among its preempted)."""
+    return any(s.seq is seq for s in plan.batch) or any(p is seq for p in plan.preempted)
 
 
 def _positive(name: str, v: Any) -> int:

@@ -411,3 +411,29 @@ def test_many_users_and_a_deep_queue_keep_the_heap_small():
     first = [q.user_id for q, _ in zip(p.admission_order(), range(200))]
     assert len(set(first)) == 200  # one request per user before anyone's second (equal prompts)
     assert statistics.pstdev([p.counter_tokens(f"u{u}") for u in range(200)]) <= 10
+
+
+def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
+    z3 = pytest.importorskip("z3")
+    s, k, c, u, w, m = z3.Ints("s k c u w m")
+    iso, was, back = z3.Bools("iso was back")
+    for f, args in [(fr.charged_counter, (c, u, w)), (fr.lifted_counter, (c, m, back)),
+                    (fr.protected_next, (was, u, w, c, m)), (fr.over_served, (u, w, c, m)),
+                    (fr.more_served, (u, w, c, m)), (fr.may_preempt, (u, k, c, m)),
+                    (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
+                    (fr.reserved_after, (u, k)), (fr.admission_wait_bound, (k, s, u)),
+                    (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
+                    (fr.new_prompt_tokens, (u, c, m, k)), (fr.isolation_pays, (u, c, m, w))]:
+        assert isinstance(f(*args), z3.ExprRef), f.__name__
+
+    def proved(claim):
+        solver = z3.Solver()
+        solver.add(z3.Not(claim))
+        return solver.check() == z3.unsat
+
+    # The sit-out streak stays within [0, K] (section 2 of docs/fairness.md).
+    assert proved(z3.Implies(z3.And(k >= 1, 0 <= s, s <= k, z3.Implies(iso, fr.sit_out_allowed(s, k))),
+                             z3.And(0 <= fr.next_streak(s, iso), fr.next_streak(s, iso) <= k)))
+    # Counters never decrease: a charge (units >= 0, weight >= 1) and the lift.
+    assert proved(z3.Implies(z3.And(u >= 0, w >= 1), fr.charged_counter(c, u, w) >= c))
+    assert proved(fr.lifted_counter(c, m, back) >= c)
