@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -234,13 +233,16 @@ class Isolation:
                 arithmetic, the policy's victim choice.
         """
         heads = d.blocked
+        r = sched._reserved
+        if r is not None and r.state not in WAITING_STATES:
+            r = None
         if d.stop == "preempted" and not heads and len(sched.policy):
             # A growth preemption stopped admission: the next candidates still decide isolation.
-            r = sched._reserved
-            if r is not None and r.state in WAITING_STATES:
-                heads = [r]
-            else:
-                heads = list(islice(sched.policy.admission_order(), self.peek_candidates))
+            heads = [r] if r is not None else self._peek(d, sched)
+        elif len(heads) == 1 and heads[0] is not r and d.stop == "kv":
+            # Admission stopped at a request that does not fit (no backfill past it): a light
+            # user's request further back still gets room.
+            heads = heads + [q for q in self._peek(d, sched) if q is not heads[0]]
         if not d.pending and not heads:
             return
         weight_of = sched._weight_of
@@ -316,6 +318,26 @@ class Isolation:
         d.drop(cut)
         d.isolated = True
 
+    def _peek(self, d: PlanDraft, sched: Any) -> list[Any]:
+        """Waiting candidates not admitted this iteration, first ``peek_candidates`` in the
+        policy's order; none when no waiting user is below its fair share (a protected user
+        always is: ``protected_next`` leaves at the fair share). The check is skipped with
+        many waiting users."""
+        waiting = sched._waiting_by_user
+        if len(waiting) <= 32:
+            res, weight_of = sched._resident_by_user, sched._weight_of
+            total, total_w = len(d.live) + len(d.admitted) + 1, sched._resident_weight
+            if not any((res.get(u, 0) + n) * (total_w + (0 if u in res else weight_of(u))) < weight_of(u) * total
+                       for u, n in waiting.items()):
+                return []
+        out = []
+        for q in sched.policy.admission_order():
+            if q not in d.grants:
+                out.append(q)
+                if len(out) >= self.peek_candidates:
+                    break
+        return out
+
     def _make_room(self, d: PlanDraft, sched: Any, targets: list[Any], protected: set[str], over: set[str]) -> None:
         """Admit ``targets`` (protected users' requests that did not fit, in admission order).
 
@@ -349,7 +371,8 @@ class Isolation:
             d.pending.append(q)
             d.free_blocks -= need
             d.budget_tokens -= n
-            d.blocked.remove(q)
+            if q in d.blocked:
+                d.blocked.remove(q)
 
     def _preempt_for(self, d: PlanDraft, sched: Any, wanted: list[Any], over: set[str]) -> bool:
         """Preempt over-served requests so that the longest possible prefix of ``wanted`` fits

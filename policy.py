@@ -197,15 +197,16 @@ class VTCPolicy:
     to the user admitted least recently. When a user goes from idle to backlogged its counter
     is lifted to the smallest counter among the other backlogged users
     (``lifted_counter``). A preempted request returns ahead of its user's later arrivals. The
-    victim under KV pressure is a request of the user holding the most KV blocks per unit
-    weight, latest admitted first (by blocks, not by counter: see ``docs/fairness.md``).
+    victim under KV pressure is the latest admitted request of a user holding more than its
+    weighted share of the KV blocks (by blocks, not by counter: see ``docs/fairness.md``).
 
     Args:
         weights: user id -> int weight >= 1 (weighted fair share); absent users weigh 1.
         prompt_price: w_p, counter charge per prompt token (int >= 0).
         output_price: w_q, counter charge per output token (int >= 0).
         backfill: admission may pass a waiting request that does not fit (the scheduler
-            bounds it: ``aging_ticks``, ``BACKFILL_WINDOW``).
+            bounds it: ``aging_ticks``, ``BACKFILL_WINDOW``). Off by default: on the bench's
+            workloads it doubles preemptions for no throughput (``docs/fairness.md``).
         isolation: ask the scheduler for TTFT isolation (``isolation.Isolation``).
         admission_headroom: ask the scheduler to leave room for the next iteration's growth
             at admission (``spec.fairness_rules.growth_headroom_blocks``): fewer preemptions.
@@ -221,7 +222,7 @@ class VTCPolicy:
     """
 
     def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
-                 output_price: int = fr.OUTPUT_PRICE, backfill: bool = True, isolation: bool = True,
+                 output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
                  admission_headroom: bool = True) -> None:
         weights = dict(weights or {})
         for user, w in weights.items():
@@ -386,21 +387,25 @@ class VTCPolicy:
     # -------------------------------------------------------- preemption
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
-        """The latest admitted request of the user holding the most KV blocks per unit weight
-        among ``running`` (ties: the larger counter, then the user seen first)."""
+        """The latest admitted request among those of users holding more than their weighted
+        fair share of the KV blocks held by ``running`` (``over_served`` by blocks); if no user
+        does (one user, or an exact tie), the latest admitted overall.
+
+        The most-served user's newest request is among the candidates; taking the newest of
+        all over-served users' requests loses the least recompute (``docs/fairness.md``,
+        section 3) and never preempts a user below its share.
+        """
         blocks: dict[str, int] = {}
         for s in running:
             blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
+        total = sum(blocks.values())
+        total_w = sum(self.weight_of(u) for u in blocks)
+        over = {u for u, b in blocks.items() if fr.over_served(b, self.weight_of(u), total, total_w)}
         best = None
-        for user, b in blocks.items():
-            if best is None:
-                best = user
-                continue
-            wb, wu = self.weight_of(best), self.weight_of(user)
-            if fr.more_served(b, wu, blocks[best], wb) or (
-                    not fr.more_served(blocks[best], wb, b, wu) and self.counter(user) > self.counter(best)):
-                best = user
-        return max((s for s in running if s.user_id == best), key=lambda s: s.admit_no)
+        for s in running:
+            if best is None or fr.victim_before(s.user_id in over, s.admit_no, best.user_id in over, best.admit_no):
+                best = s
+        return best
 
 
 # ---------------------------------------------------------------- round robin

@@ -111,9 +111,11 @@ def protected_next(was_protected: Bool, demand: Int, weight: Int, total_count: I
     return Or(enter, And(Not(leave), was_protected))
 
 
-def more_served(blocks_a: Int, weight_a: Int, blocks_b: Int, weight_b: Int) -> Bool:
-    """User a holds strictly more KV blocks per unit weight than user b (victim ranking)."""
-    return blocks_a * weight_b > blocks_b * weight_a
+def victim_before(over_a: Bool, admit_a: Int, over_b: Bool, admit_b: Int) -> Bool:
+    """Request a is preempted before request b: a request of a user holding more than its
+    weighted fair share of the KV blocks (``over_served`` by blocks) goes first, then the
+    latest admitted (``admit_*`` is the admission sequence number)."""
+    return Or(And(over_a, Not(over_b)), And(over_a == over_b, admit_a > admit_b))
 
 
 # ---------------------------------------------------------------- preemption

@@ -221,7 +221,7 @@ def _long_amid_small(aging_ticks, ticks_of_stream=120, **kw):
     cache; user x's 300-token prompt (19 blocks) arrives at tick 10, when the cache is full.
     Returns (scheduler, x, x's submit tick, x's admission tick)."""
     s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=32, aging_ticks=aging_ticks,
-            isolation=False, **kw)
+            policy=VTCPolicy(backfill=True), isolation=False, **kw)
     x = make_req("x", user="x", n_prompt=300, max_tokens=4)
     t = 0
     for t in range(ticks_of_stream):
@@ -419,7 +419,7 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
     iso, was, back = z3.Bools("iso was back")
     for f, args in [(fr.charged_counter, (c, u, w)), (fr.lifted_counter, (c, m, back)),
                     (fr.protected_next, (was, u, w, c, m)), (fr.over_served, (u, w, c, m)),
-                    (fr.more_served, (u, w, c, m)), (fr.may_preempt, (u, k, c, m)),
+                    (fr.victim_before, (iso, u, back, c)), (fr.may_preempt, (u, k, c, m)),
                     (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
                     (fr.reserved_after, (u, k)), (fr.admission_wait_bound, (k, s, u)),
                     (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
