@@ -280,7 +280,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes: 2 seeds, a 1000-request flood")
     p.add_argument("--no-realtime", action="store_true", help="skip the real-time stub runs")
     p.add_argument("--realtime-seeds", type=int, default=3, help="seeds of the real-time A/B burst (default 3)")
+    p.add_argument("--overhead", action="store_true", help="only the per-tick CPU time of the policies")
     a = p.parse_args(argv)
+    if a.overhead:
+        print("== scheduler CPU time per tick outside forward (null backend, 4 users, best of 5 x 100 ticks) ==")
+        print(f"{'policy':14} {'16 run/100 wait':>15} {'256/100':>8} {'256/100000':>10}")
+        for c in (CONTENDERS[0], CONTENDERS[2], CONTENDERS[3]):
+            cells = [tick_cpu_us(c, r, w) for r, w in ((16, 100), (256, 100), (256, 100_000))]
+            print(f"{c.name:14} {cells[0]:13.0f}us {cells[1]:6.0f}us {cells[2]:8.0f}us")
+        return 0
     seeds = range(2 if a.quick else a.seeds)
     n_flood = 1000 if a.quick else a.flood
     scale = 4 if a.quick else 1
@@ -376,6 +384,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{with_a * 1e3:7.1f}ms {alone * 1e3:7.1f}ms {with_a / alone:6.2f}")
     print(f"\n(bench took {time.perf_counter() - t_start:.0f} s of wall time)")
     return 0
+
+
+def tick_cpu_us(contender: Contender, n_running: int, n_waiting: int, users: int = 4) -> float:
+    """CPU microseconds per ``tick()`` with a null backend, ``n_running`` decoding and
+    ``n_waiting`` waiting (``time.process_time``, best of 5 runs of 100 ticks)."""
+    s = Scheduler(backend=lambda batch: [1] * len(batch), clock=lambda: 0.0, kv_cap_blocks=100_000,
+                  record_itl=False, max_running=n_running, **contender.kwargs())
+    for i in range(n_running + n_waiting):
+        s.submit(Request(user_id=f"u{i % users}", prompt=[1] * 8, max_tokens=10 ** 6, request_id=f"r{i}"))
+    for _ in range(20):
+        s.tick()
+    best = float("inf")
+    for _ in range(5):
+        t = time.process_time()
+        for _ in range(100):
+            s.tick()
+        best = min(best, (time.process_time() - t) / 100 * 1e6)
+    return best
 
 
 def max_wait_ticks(res: simulate.RunResult, users: Sequence[str]) -> int:
