@@ -5,17 +5,17 @@ A newcomer's prefill inside a batch of 30 decodes runs in 30-request iterations:
 fix it. ``Isolation.refine`` post-processes each iteration's plan:
 
 1. *Protection* (with hysteresis, by share of the batch): a user with a request prefilling
-   toward its first token is protected when it holds at most half its weighted fair share of
-   the resident requests, and stays protected until it holds its fair share
-   (``spec.fairness_rules.protected_next``).
-2. *Room*: a protected user's request that does not fit first takes back the blocks of this
+   toward its first token is protected when its demand (resident + waiting requests) is at
+   most half its weighted fair share of the resident requests, and stays protected until its
+   demand reaches its fair share (``spec.fairness_rules.protected_next``).
+2. *Room*: protected users' requests that do not fit first take back the blocks of this
    iteration's admissions of over-served users; failing that, requests of the over-served
-   users are preempted by recompute (most-served user first, latest admitted first, never
-   pinned ones) and the request holds the reservation for the next iteration. No request is
-   admitted in an iteration that preempted.
-3. *Isolation*: while a protected request is prefilling, requests of over-served users sit
-   out (keeping their KV) when the latency model predicts the iteration at least
-   ``min_speedup`` times faster without them, for at most ``max_sit_out_ticks`` consecutive
+   users are preempted by recompute (the policy's victim rule, never pinned ones, never one
+   admitted this tick) and the first of them holds the reservation for the next iteration.
+   No request is admitted in an iteration that preempted.
+3. *Isolation*: while a protected request is prefilling toward its first token, every other
+   request sits out (keeping its KV) when the latency model predicts the iteration at least
+   ``min_speedup`` times faster that way, for at most ``max_sit_out_ticks`` consecutive
    iterations (``sit_out_allowed`` / ``next_streak``).
 
 The latency model is fitted online from the durations of the scheduler's own ``forward``
@@ -232,18 +232,7 @@ class Isolation:
             sched: the ``Scheduler`` (read only): resident counts per user, weights, block
                 arithmetic, the policy's victim choice.
         """
-        heads = d.blocked
-        r = sched._reserved
-        if r is not None and r.state not in WAITING_STATES:
-            r = None
-        if d.stop == "preempted" and not heads and len(sched.policy):
-            # A growth preemption stopped admission: the next candidates still decide isolation.
-            heads = [r] if r is not None else self._peek(d, sched)
-        elif len(heads) == 1 and heads[0] is not r and d.stop == "kv":
-            # Admission stopped at a request that does not fit (no backfill past it): a light
-            # user's request further back still gets room.
-            heads = heads + [q for q in self._peek(d, sched) if q is not heads[0]]
-        if not d.pending and not heads:
+        if not d.pending and not d.blocked and d.stop != "preempted":
             return
         weight_of = sched._weight_of
         res = sched._resident_by_user
@@ -265,6 +254,19 @@ class Isolation:
         def count(u: str) -> int:
             return res.get(u, 0) + delta.get(u, 0)
 
+        heads = d.blocked
+        r = sched._reserved
+        if r is not None and r.state not in WAITING_STATES:
+            r = None
+        if d.stop == "preempted" and not heads and len(sched.policy):
+            # A growth preemption stopped admission: the next candidates still decide isolation.
+            heads = [r] if r is not None else self._peek(d, sched, count, total, total_w)
+        elif len(heads) == 1 and heads[0] is not r and d.stop == "kv":
+            # Admission stopped at a request that does not fit (no backfill past it): a light
+            # user's request further back still gets room.
+            heads = heads + [q for q in self._peek(d, sched, count, total, total_w) if q is not heads[0]]
+        if not d.pending and not heads:
+            return
         waiting = sched._waiting_by_user
         updates = d.protected_updates
         for q in d.pending:
@@ -318,17 +320,16 @@ class Isolation:
         d.drop(cut)
         d.isolated = True
 
-    def _peek(self, d: PlanDraft, sched: Any) -> list[Any]:
+    def _peek(self, d: PlanDraft, sched: Any, count: Any, total: int, total_w: int) -> list[Any]:
         """Waiting candidates not admitted this iteration, first ``peek_candidates`` in the
-        policy's order; none when no waiting user is below its fair share (a protected user
-        always is: ``protected_next`` leaves at the fair share). The check is skipped with
-        many waiting users."""
+        policy's order; none when no waiting user is below its fair share as if it joined the
+        batch (a protected user always is: ``protected_next`` leaves at the fair share). The
+        check is skipped with more than 32 waiting users."""
         waiting = sched._waiting_by_user
         if len(waiting) <= 32:
             res, weight_of = sched._resident_by_user, sched._weight_of
-            total, total_w = len(d.live) + len(d.admitted) + 1, sched._resident_weight
-            if not any((res.get(u, 0) + n) * (total_w + (0 if u in res else weight_of(u))) < weight_of(u) * total
-                       for u, n in waiting.items()):
+            if not any((res.get(u, 0) + n) * (total_w + (weight_of(u) if count(u) == 0 else 0))
+                       < weight_of(u) * (total + 1) for u, n in waiting.items()):
                 return []
         out = []
         for q in sched.policy.admission_order():

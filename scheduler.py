@@ -166,8 +166,8 @@ class SchedulePlan:
         admission_stop: why admission stopped: ``"empty"`` (nothing waiting), ``"kv"``,
             ``"budget"``, ``"max_running"`` or ``"preempted"`` (no admission in a tick that
             preempted).
-        sat_out: resident requests of over-served users that sit out this iteration, keeping
-            their KV (TTFT isolation, ``isolation.py``).
+        sat_out: resident requests that sit out this iteration, keeping their KV (TTFT
+            isolation, ``isolation.py``).
         blocked: the first waiting request that did not fit (its aging count grows), or None.
         reserve: the request that holds the reservation after this iteration (room was made
             for it by preemption), or None.
