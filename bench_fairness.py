@@ -148,7 +148,7 @@ class RecordingScheduler(Scheduler):
 def max_service_gap(trace: list[tuple[float, dict[str, float], frozenset[str]]]) -> float:
     """Largest |service_f(t1, t2) - service_g(t1, t2)| over intervals where f and g are both backlogged.
 
-    Source: the VTC paper's fairness measure (Definition 4.1, Theorem 4.4).
+    Source: the VTC paper's fairness measure (service difference of backlogged clients).
     """
     users = sorted({u for _, _, b in trace for u in b})
     worst = 0.0

@@ -217,7 +217,7 @@ class VTCPolicy:
     Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
     waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1).
 
-    Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), Algorithm 2;
+    Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), the VTC algorithm;
     artifact ``Ying1123/VTC-artifact`` (``vtc_req_queue.py``).
     """
 

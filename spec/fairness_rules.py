@@ -10,7 +10,7 @@ Units: ``*_tokens`` token counts, ``*_blocks`` KV blocks, ``*_ticks`` scheduler 
 weighted token of service).
 
 Source: the Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language
-Models", OSDI 2024, Algorithm 2 and Theorem 4.4), artifact ``Ying1123/VTC-artifact``.
+Models", OSDI 2024: the algorithm and its fairness bound), artifact ``Ying1123/VTC-artifact``.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def lifted_counter(own: Int, min_backlogged: Int, others_backlogged: Bool) -> In
     """A user's counter when its waiting queue goes from empty to non-empty.
 
     With other users backlogged it becomes ``max(own, min over their counters)`` so idle time
-    banks no credit; with none, it keeps its own. Source: VTC Algorithm 2, artifact
+    banks no credit; with none, it keeps its own. Source: the VTC paper, artifact
     ``VTCReqQueue.append``.
     """
     return If(others_backlogged, Max(own, min_backlogged), own)
@@ -76,7 +76,8 @@ def vtc_service_gap_bound(prompt_price: Int, max_prompt_tokens: Int, output_pric
                           max_output_tokens: Int) -> Int:
     """The VTC paper's bound on the service difference of two backlogged users, weighted tokens.
 
-    ``2 * max(w_p * L_input, w_q * M)`` (Theorem 4.4, stated without the batch-capacity term).
+    ``2 * max(w_p * L_input, w_q * M)``; ``docs/fairness.md`` section 5 discusses what ``M``
+    stands for (the longest output, or the tokens one batch holds).
     """
     return 2 * Max(prompt_price * max_prompt_tokens, output_price * max_output_tokens)
 
