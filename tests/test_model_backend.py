@@ -23,6 +23,7 @@ torch.set_num_threads(1)  # tiny ops: intra-op threads only spin, and stall when
 from backend_api import BatchItem  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from model_backend import ModelBackend, PagedKVCache, tiny_llama  # noqa: E402
+from policy import FCFSPolicy  # noqa: E402
 from scheduler import BackendError, Scheduler  # noqa: E402
 
 #: The tiny model's EOS id: a token its greedy outputs reach, so some requests stop on EOS.
@@ -79,23 +80,31 @@ class Recorder:
         return self.inner.execute_model(items)
 
 
-def new_scheduler(*, num_blocks: int, budget_tokens: int | None = None, poison: bool = True):
-    """A scheduler on a fresh tiny model; returns it, the recorder of its iterations and the backend."""
+def new_scheduler(*, num_blocks: int, budget_tokens: int | None = None, poison: bool = True, policy="fcfs"):
+    """A scheduler on a fresh tiny model; returns it, the recorder of its iterations and the backend.
+
+    The scenarios engineer their preemption points with FCFS's victim rule (newest admitted) and
+    no admission headroom, so ``policy="fcfs"`` is the default; ``policy=None`` runs the
+    default fair policy.
+    """
     backend = ModelBackend(model(), num_blocks=num_blocks, poison_freed_blocks=poison, record_logits=True)
     rec = Recorder(backend)
     kw = backend.scheduler_kwargs() | {"backend": rec}
+    if policy == "fcfs":
+        kw |= {"policy": FCFSPolicy(), "admission_headroom": False}
     sched = backend.attach(Scheduler(**kw, token_budget_tokens=budget_tokens, clock=StepClock()))
     return sched, rec, backend
 
 
 def run_batch(workload, *, num_blocks: int, budget_tokens: int | None = None, poison: bool = True,
-              before_tick=None):
+              before_tick=None, policy="fcfs"):
     """Run ``workload`` (``(arrival_tick, Request)`` pairs) through Batch on the tiny model.
 
     ``before_tick(sched, backend)`` runs before every tick. Returns the scheduler, the recorder and the
     backend; checks the KV ledger after every tick.
     """
-    sched, rec, backend = new_scheduler(num_blocks=num_blocks, budget_tokens=budget_tokens, poison=poison)
+    sched, rec, backend = new_scheduler(num_blocks=num_blocks, budget_tokens=budget_tokens, poison=poison,
+                                        policy=policy)
     pending = sorted(workload, key=lambda w: w[0])
     tick = 0
     while pending or sched.has_active():
@@ -155,11 +164,12 @@ def staggered_workload(n: int = 12):
     return out
 
 
-@pytest.mark.parametrize("num_blocks, budget_tokens, n_requests", [(24, 90, 12), (16, 37, 12), (20, 61, 16)])
+@pytest.mark.parametrize("num_blocks, budget_tokens, n_requests, policy", [
+    (24, 90, 12, "fcfs"), (16, 37, 12, "fcfs"), (20, 61, 16, "fcfs"), (16, 37, 16, None)])
 def test_batched_equals_alone_under_chunking_budget_splits_and_preemption(ref_model, num_blocks, budget_tokens,
-                                                                          n_requests):
+                                                                          n_requests, policy):
     workload = staggered_workload(n_requests)
-    sched, rec, backend = run_batch(workload, num_blocks=num_blocks, budget_tokens=budget_tokens)
+    sched, rec, backend = run_batch(workload, num_blocks=num_blocks, budget_tokens=budget_tokens, policy=policy)
     reqs = [r for _, r in workload]
     assert all(len(r.prompt) + r.max_tokens < num_blocks * 16 for r in reqs)  # the length limit never binds
     assert_batched_equals_alone(ref_model, reqs, backend)
