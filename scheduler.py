@@ -867,13 +867,13 @@ class Scheduler:
 
     @staticmethod
     def _check_tokens(tokens: Any, batch: list[Request]) -> None:
-        ids = [r.request_id for r in batch]
         if not isinstance(tokens, (list, tuple)) or len(tokens) != len(batch):
             n = len(tokens) if isinstance(tokens, (list, tuple)) else type(tokens).__name__
-            raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}", ids)
+            raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}",
+                               [r.request_id for r in batch])
         for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise BackendError(f"forward returned a non-int token {t!r}", ids)
+            if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral)):
+                raise BackendError(f"forward returned a non-int token {t!r}", [r.request_id for r in batch])
 
     # ------------------------------------------------------------ introspection
 
