@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test verify bench clean
+.PHONY: run test verify bench bench-big clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,model]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -22,7 +22,10 @@ verify: $(STAMP)
 	$(BIN)/python -m spec.verify
 
 bench: $(STAMP)
-	$(BIN)/python bench.py
+	$(BIN)/python bench.py $(ARGS)
+
+bench-big: $(STAMP)
+	$(BIN)/python bench.py --big $(ARGS)
 
 clean:
 	rm -rf $(VENV)
