@@ -30,7 +30,7 @@ EXAMPLE_MAX_OUTPUT_TOKENS = 99
 #: The bounded no-starvation run: aging ``T``, sit-out cap ``K``, work ``L`` (iterations a
 #: resident request still needs), resident slots, cache blocks, tokens per block, extra ticks
 #: beyond the bound (uncounted ticks before the reservation).
-AGING_T, AGING_K, AGING_L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, AGING_EXTRA = 2, 1, 2, 2, 4, 2, 2
+AGING_T, AGING_K, AGING_L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, AGING_EXTRA = 3, 2, 3, 3, 6, 2, 2
 
 #: Sit-out caps ``K`` of the bounded sit-out check (plus the symbolic inductive step).
 SIT_OUT_KS: tuple[int, ...] = (0, 1, 3, 8)
