@@ -1,6 +1,6 @@
-"""z3 checks of the fairness rules: VTC counter gap, the lift, aging, the sit-out bound.
+"""z3 checks of the fairness rules: VTC counter gap (inductive, bounded), the lift, aging, the sit-out bound.
 
-A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers four
+A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers five
 checks, run with the others by ``python -m spec.verify`` (``--only vtc_counter_gap`` etc.).
 Every check evaluates the functions of ``spec.fairness_rules`` that ``policy.py``,
 ``isolation.py`` and ``scheduler.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
@@ -391,3 +391,116 @@ def check_sit_out_bound(opts: Options) -> Outcome:
         if status != "proved":
             return Outcome("unknown", bound, f"K={K}: {status} {info or ''}")
     return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- 1'. the counter gap, bounded runs
+
+#: The bounded runs of the VTC pick: depth (ticks), resident slots per user, admissions per
+#: tick, longest prompt ``L_in`` and output ``M`` (tokens).
+GAP_BMC_DEPTH, GAP_BMC_SLOTS, GAP_BMC_ADMITS, GAP_BMC_MAX_PROMPT, GAP_BMC_MAX_OUTPUT = 6, 2, 2, 3, 2
+
+
+def _gap_run(weights: tuple[int, int], depth: int, slots: int, admits: int, max_prompt: int,
+             max_output: int) -> tuple[list, list, Any]:
+    """Unroll ``depth`` ticks of two backlogged users from equal counters and nothing resident.
+
+    Each tick: up to ``admits`` admissions, each of the user with the least local counter
+    (ties either way; the tick's advance prompt charges with ``charged_counter``), stopping
+    when that user's request does not fit (no free slot, or the adversary's KV/budget stop);
+    then every resident request receives any service up to what it still needs and at most one
+    iteration's worth (its prompt as one chunk plus one output token), charged with
+    ``service_units`` / ``charged_counter``. Returns (assumptions, the counter terms per tick
+    ``[(c_p, c_q)]``, the derived bound in counter units).
+    """
+    z3 = _z3()
+    users = (0, 1)
+    c = [z3.IntVal(0), z3.IntVal(0)]
+    rem = [[z3.IntVal(0)] * slots for _ in users]  # weighted tokens still to serve, 0: empty slot
+    asm: list = []
+    counters = []
+    # one iteration serves a request at most its whole (short) prompt as one chunk and one output token
+    per_iteration = fr.service_units(max_prompt, 1, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+    for t in range(depth):
+        local = list(c)
+        stopped: Any = z3.BoolVal(False)
+        for i in range(admits):
+            tie, stop = z3.Bools(f"tie_{t}_{i} stop_{t}_{i}")
+            x_in, x_out = z3.Ints(f"prompt_{t}_{i} output_{t}_{i}")
+            asm += [x_in >= 0, x_in <= max_prompt, x_out >= 1, x_out <= max_output]
+            pick_p = Or(local[0] < local[1], And(local[0] == local[1], tie))
+            units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+            new_rem, new_local = [], []
+            admitted_any: Any = z3.BoolVal(False)
+            for u in users:
+                chosen = pick_p if u == 0 else Not(pick_p)
+                placed = z3.BoolVal(False)
+                row = []
+                for j in range(slots):
+                    here = And(Not(stopped), Not(stop), chosen, Not(placed), rem[u][j] == 0)
+                    row.append(If(here, units, rem[u][j]))
+                    placed = Or(placed, here)
+                new_rem.append(row)
+                advanced = fr.charged_counter(local[u], fr.PROMPT_PRICE * x_in, weights[u])
+                new_local.append(If(placed, advanced, local[u]))
+                admitted_any = Or(admitted_any, placed)
+            rem, local = new_rem, new_local
+            stopped = Or(stopped, Not(admitted_any))  # the least user's request did not fit: stop
+        for u in users:
+            served = []
+            for j in range(slots):
+                s = z3.Int(f"served_{u}_{j}_{t}")
+                asm += [s >= 0, s <= rem[u][j], s <= per_iteration]
+                served.append(s)
+            c[u] = fr.charged_counter(c[u], Sum(served), weights[u])
+            rem[u] = [r - s for r, s in zip(rem[u], served)]
+        cu = z3.Ints(f"counter_p_{t + 1} counter_q_{t + 1}")
+        asm += [cu[0] == c[0], cu[1] == c[1]]
+        c = list(cu)
+        rem = [[_name(rem[u][j], f"rem_{u}_{j}_{t + 1}", asm) for j in range(slots)] for u in users]
+        counters.append((c[0], c[1]))
+    cap = max_resident_units(slots, max_prompt, max_output)
+    return asm, counters, vtc_counter_gap_bound_units(cap, *weights)
+
+
+def _name(term: Any, name: str, asm: list) -> Any:
+    v = _z3().Int(name)
+    asm.append(v == term)
+    return v
+
+
+@register("vtc_counter_gap_bmc",
+          "from equal counters and nothing resident, every state of two backlogged users reachable within the "
+          "depth has |c_p - c_q| <= U_p + U_q (the derived bound); the paper's 2*max(w_p*L_in, w_q*M) is "
+          "exceeded in some reachable state (printed)")
+def check_vtc_counter_gap_bmc(opts: Options) -> Outcome:
+    """Bounded model checking of ``_gap_run`` for each weight pair in ``GAP_WEIGHTS[:2]``."""
+    d, n, a, lin, mo = GAP_BMC_DEPTH, GAP_BMC_SLOTS, GAP_BMC_ADMITS, GAP_BMC_MAX_PROMPT, GAP_BMC_MAX_OUTPUT
+    bound = (f"depth {d} ticks, {n} resident slots per user, {a} admissions per tick, prompts <= {lin}, "
+             f"outputs 1..{mo} tokens, per iteration any service up to a prompt chunk and one output token; "
+             f"weights {list(GAP_WEIGHTS[:2])}")
+    paper_hit = ""
+    for w in GAP_WEIGHTS[:2]:
+        asm, counters, g = _gap_run(w, d, n, a, lin, mo)
+        goals = [(f"|c_p - c_q| <= {g} after tick {t}", And(cp - cq <= g, cq - cp <= g))
+                 for t, (cp, cq) in enumerate(counters)]
+        status, info = _prove(asm, goals, opts.timeout_s, split=False)
+        if status == "counterexample":
+            m, bad = info
+            values = {"weights": w} | {f"counters after tick {t}": (_val(m, cp), _val(m, cq))
+                                       for t, (cp, cq) in enumerate(counters)}
+            return Outcome("counterexample", bound,
+                           counterexample=StateCounterexample(f"run of {d} ticks", bad[:1], values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"weights {w}: {status} {info or ''}")
+        if w == (1, 1):
+            paper = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, lin, fr.OUTPUT_PRICE, mo) * fr.COUNTER_SCALE
+            st, info = _prove(asm, [("paper", And(*(cp - cq <= paper for cp, cq in counters)))], opts.timeout_s,
+                              split=False)
+            if st == "counterexample":
+                m, _ = info
+                worst = max(_val(m, cp) - _val(m, cq) for cp, cq in counters) // fr.COUNTER_SCALE
+                paper_hit = (f"; weights 1,1: the paper's {paper // fr.COUNTER_SCALE} weighted tokens is exceeded "
+                             f"(a reachable gap of {worst}), derived bound {g // fr.COUNTER_SCALE}")
+            else:
+                paper_hit = f"; weights 1,1: the paper's bound held within the depth ({st})"
+    return Outcome("proved", bound, "unsat; assumptions sat" + paper_hit)

@@ -20,12 +20,12 @@ OPTS = Options(timeout_s=60.0)
 
 def test_fairness_checks_are_registered_with_spec_verify():
     verify._load_plugins()
-    for name in ("vtc_counter_gap", "vtc_lift", "no_starvation_aging", "sit_out_bound"):
+    for name in ("vtc_counter_gap", "vtc_counter_gap_bmc", "vtc_lift", "no_starvation_aging", "sit_out_bound"):
         assert name in verify.CHECKS
 
 
-@pytest.mark.parametrize("check", [vf.check_vtc_counter_gap, vf.check_vtc_lift, vf.check_no_starvation_aging,
-                                   vf.check_sit_out_bound])
+@pytest.mark.parametrize("check", [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc, vf.check_vtc_lift,
+                                   vf.check_no_starvation_aging, vf.check_sit_out_bound])
 def test_check_proves_the_rules_as_written(check):
     out = check(OPTS)
     assert out.status == "proved", out
@@ -36,6 +36,8 @@ def test_paper_bound_is_not_inductive_for_continuous_batching_but_the_derived_on
     assert "398 as G with N=2 resident requests per user: counterexample" in out.detail
     # the derived bound, two users of weight 1 with one resident request each, in weighted tokens
     assert vf.vtc_counter_gap_bound_units(vf.max_resident_units(1, 199, 99), 1, 1) == 794 * fr.COUNTER_SCALE
+    # and in a bounded run from equal counters the paper's bound is exceeded, the derived one is not
+    assert "the paper's 8 weighted tokens is exceeded" in vf.check_vtc_counter_gap_bmc(OPTS).detail
 
 
 # ---------------------------------------------------------------- teeth: planted bugs
