@@ -16,12 +16,11 @@ the victim rule differ:
 """
 from __future__ import annotations
 
-from collections import Counter, deque
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 import scheduler as _scheduler_module
 from inference_stub import Request
-from policy import FCFSPolicy
+from policy import FCFSPolicy, RoundRobinPolicy
 from scheduler import Scheduler, _positive
 from spec import rules
 
@@ -113,85 +112,6 @@ class StaticBatchScheduler(ReservationScheduler):
         elif self.pad_finished:
             self._padding.extend(finished)
         return finished
-
-
-class RoundRobinPolicy:
-    """Per-user round robin admission: users take turns, one request per turn, FIFO within a user.
-
-    Admission walks the backlogged users in turn order and takes each one's oldest waiting
-    request, then each one's second, and so on; a user whose request was admitted moves to
-    the back of the turn order. No backfill (admission stops at the first request that does
-    not fit). A preempted request returns to the head of its user's queue.
-
-    Victim under KV pressure: the most recently admitted request of the user with the most
-    resident requests (ties: the most recently admitted overall), so the oldest resident
-    request is never the victim unless it is alone and always makes progress.
-
-    A simple fairness baseline: it equalises admissions, not service (a user with long
-    requests gets more tokens per turn), unlike the virtual token counter (Sheng et al.,
-    OSDI 2024), which equalises weighted tokens served.
-    """
-
-    backfill = False
-
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[Any]] = {}
-        self._turn: deque[str] = deque()  # backlogged users, next turn first
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def add(self, seq: Any) -> None:
-        self._push(seq, front=False)
-
-    def requeue(self, seq: Any) -> None:
-        self._push(seq, front=True)
-
-    def _push(self, seq: Any, *, front: bool) -> None:
-        q = self._queues.get(seq.user_id)
-        if q is None:
-            q = self._queues[seq.user_id] = deque()
-        if not q:
-            (self._turn.appendleft if front else self._turn.append)(seq.user_id)
-        (q.appendleft if front else q.append)(seq)
-        self._n += 1
-
-    def remove(self, seq: Any) -> None:
-        user = seq.user_id
-        q = self._queues[user]
-        if q[0] is seq:
-            q.popleft()
-        else:
-            q.remove(seq)
-        self._n -= 1
-        self._turn.remove(user)
-        if q:
-            self._turn.append(user)  # served: to the back of the turn order
-        else:
-            del self._queues[user]
-
-    def admission_order(self) -> Iterator[Any]:
-        users = list(self._turn)
-        k = 0
-        while users:
-            deeper = []
-            for u in users:
-                q = self._queues[u]
-                if k < len(q):
-                    yield q[k]
-                    if k + 1 < len(q):
-                        deeper.append(u)
-            users = deeper
-            k += 1
-
-    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
-        return None
-
-    def choose_victim(self, running: Sequence[Any]) -> Any:
-        resident = Counter(s.user_id for s in running)
-        most = max(resident.values())
-        return max((s for s in running if resident[s.user_id] == most), key=lambda s: s.admit_no)
 
 
 def fcfs_recompute(**kwargs: Any) -> Scheduler:

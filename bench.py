@@ -571,7 +571,7 @@ def write_report(results: list[WorkloadResult], path: Path, img_dir: Path, *, ov
                     "| FCFS-recompute | FCFS continuous batching, preemption by recompute, newest victim first: vLLM V1 "
                     "(`Scheduler(policy=FCFSPolicy())`) |",
                     "| Round-robin | per-user round-robin admission, recompute preemption of the largest user's newest "
-                    "request (`baselines.RoundRobinPolicy`) |", "",
+                    "request (`policy.RoundRobinPolicy`) |", "",
                     "All share the simulator, the 64-token chunked prefill and the KV ledger. Columns: output "
                     "tokens/s of simulated time (first submit to last completion); its fraction of the workload's "
                     "upper bound; TTFT, TPOT (per request, `(e2e - TTFT) / (tokens - 1)`) and e2e latency "
