@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test verify bench clean
+.PHONY: run test verify bench bench-big clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,model]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -23,7 +23,10 @@ verify: $(STAMP)
 	BATCH_STATEFUL_STEPS=1000 BATCH_STATEFUL_EXAMPLES=100 $(BIN)/python -m pytest -q tests/test_stateful.py
 
 bench: $(STAMP)
-	$(BIN)/python bench.py
+	$(BIN)/python bench.py $(ARGS)
+
+bench-big: $(STAMP)
+	$(BIN)/python bench.py --big $(ARGS)
 
 clean:
 	rm -rf $(VENV)

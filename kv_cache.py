@@ -6,6 +6,8 @@ request (kept by the caller), and an integrity check ``free + used == cap``.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 
 class BlockPoolError(RuntimeError):
     """The pool's ledger was misused (double free, foreign block id): a scheduler bug."""
@@ -16,6 +18,8 @@ class BlockPool:
 
     Args:
         num_blocks: the cap, in blocks (``MAX_KV_BLOCKS`` = 256 for the stub).
+        on_free: called with the block ids after every ``free`` (a paged backend may poison
+            them in tests); may be set later through the attribute.
 
     Raises:
         ValueError: ``num_blocks < 1``.
@@ -24,14 +28,15 @@ class BlockPool:
     Allocation is LIFO so recently freed (cache-warm) blocks are reused first.
     """
 
-    __slots__ = ("num_blocks", "_free", "_is_free")
+    __slots__ = ("num_blocks", "_free", "_is_free", "on_free")
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_free: Callable[[list[int]], None] | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_blocks
+        self.on_free = on_free
 
     @property
     def num_free(self) -> int:
@@ -83,6 +88,8 @@ class BlockPool:
         for b in blocks:
             self._is_free[b] = 1
         self._free.extend(reversed(blocks))
+        if self.on_free is not None:
+            self.on_free(blocks)
 
     def reclaim(self, blocks: list[int]) -> None:
         """Take back these exact free block ids (undo of a ``free``, for rollback).

@@ -96,9 +96,16 @@ class MetricsRecorder:
         if self.record_itl:
             self.itl_s.append(gap_s)
 
+    def on_cancel(self, reason: str) -> None:
+        """A request left without completing: aborted by the caller (``"abort"``) or failed by the
+        backend retry policy (``"error"``). Counted in ``finish_reasons`` only: its latency is not a
+        completion latency and its tokens are not served output, so the latency and throughput
+        figures leave it out (as vLLM's ``benchmark_serving`` leaves out failed requests)."""
+        self.finish_reasons[reason] += 1
+
     def on_finish(self, *, user_id: str, reason: str, submitted_s: float, first_token_s: float | None,
                   admitted_s: float | None, completed_s: float, prompt_tokens: int, output_tokens: int) -> None:
-        """A request left the scheduler (finished or aborted) at ``completed_s``."""
+        """A request completed (EOS, ``max_tokens`` or the cache length) at ``completed_s``."""
         self.finish_reasons[reason] += 1
         self.last_completion_s = completed_s if self.last_completion_s is None else max(self.last_completion_s,
                                                                                         completed_s)

@@ -6,8 +6,12 @@ token budget, the lifecycle), so a policy is a few small methods.
 """
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
+from collections import OrderedDict, deque
+from heapq import heapify, heappop, heappush, heapreplace, merge
 from typing import Any, Iterator, Protocol, Sequence
+
+from spec import fairness_rules as fr
 
 
 class Policy(Protocol):
@@ -78,3 +82,390 @@ class FCFSPolicy:
     def choose_victim(self, running: Sequence[Any]) -> Any:
         return max(running, key=lambda s: s.admit_no)
 
+
+
+# ---------------------------------------------------------------- per-user waiting queues
+
+
+class _UserQueue:
+    """One user's waiting requests: fresh arrivals in arrival order, plus the preempted ones
+    (kept sorted by ``arrival_no``, so each keeps its place ahead of later arrivals)."""
+
+    __slots__ = ("fresh", "requeued", "live")
+
+    def __init__(self) -> None:
+        self.fresh: deque[Any] = deque()
+        self.requeued: list[Any] = []
+        self.live = 0
+
+
+class _Waiting:
+    """Per-user FIFO queues with O(1) push and head removal and lazy removal elsewhere.
+
+    A request removed from the middle of ``fresh`` (backfill, abort) is marked gone and dropped
+    when it reaches the head; ``iter_user`` skips it. A preempted request lives in ``requeued``
+    (its old ``fresh`` entry, if any, stays marked gone).
+    """
+
+    __slots__ = ("users", "gone", "n")
+
+    def __init__(self) -> None:
+        self.users: dict[str, _UserQueue] = {}
+        self.gone: set[Any] = set()
+        self.n = 0
+
+    def push(self, seq: Any) -> bool:
+        """Append a new arrival; True when its user was not backlogged before."""
+        q = self.users.get(seq.user_id)
+        if q is None:
+            q = self.users[seq.user_id] = _UserQueue()
+        q.fresh.append(seq)
+        q.live += 1
+        self.n += 1
+        return q.live == 1
+
+    def push_front(self, seq: Any) -> bool:
+        """Put a preempted request back by its arrival order; True when its user was idle."""
+        q = self.users.get(seq.user_id)
+        if q is None:
+            q = self.users[seq.user_id] = _UserQueue()
+        insort(q.requeued, seq, key=_arrival)
+        q.live += 1
+        self.n += 1
+        return q.live == 1
+
+    def discard(self, seq: Any) -> bool:
+        """Remove a waiting request; True when its user has nothing left waiting.
+
+        Raises:
+            KeyError: ``seq``'s user has nothing waiting, or ``seq`` was already removed.
+        """
+        q = self.users.get(seq.user_id)
+        if q is None:
+            raise KeyError(f"{getattr(seq, 'request_id', seq)!r} is not waiting")
+        if seq in q.requeued:  # short: bounded by the requests preempted while the user waits
+            q.requeued.remove(seq)
+        elif q.fresh and q.fresh[0] is seq:
+            q.fresh.popleft()
+        elif seq in self.gone:
+            raise KeyError(f"{getattr(seq, 'request_id', seq)!r} was already removed")
+        else:
+            self.gone.add(seq)  # O(1): its entry in `fresh` is dropped when it reaches the head
+        q.live -= 1
+        self.n -= 1
+        if q.live == 0:
+            for s in q.fresh:
+                self.gone.discard(s)
+            del self.users[seq.user_id]
+        else:
+            while q.fresh and q.fresh[0] in self.gone:
+                self.gone.discard(q.fresh.popleft())
+        return q.live == 0
+
+    def backlogged(self, user: str) -> bool:
+        """Whether ``user`` has a waiting request."""
+        return user in self.users
+
+    def iter_user(self, user: str) -> Iterator[Any]:
+        """The user's waiting requests, oldest arrival first (a lazy snapshot)."""
+        q = self.users[user]
+        gone = self.gone
+        fresh: Iterator[Any] = (s for s in q.fresh if s not in gone) if gone else iter(q.fresh)
+        return merge(q.requeued, fresh, key=_arrival) if q.requeued else fresh
+
+
+def _arrival(seq: Any) -> int:
+    return seq.arrival_no
+
+
+def _uncharged_prompt_tokens(seq: Any) -> int:
+    return seq.num_prompt_tokens - getattr(seq, "num_prompt_tokens_served", 0)
+
+
+# ---------------------------------------------------------------- VTC
+
+
+class VTCPolicy:
+    """Fair share across users: the Virtual Token Counter, weighted, with bounded backfill.
+
+    Each user has a counter of the service it received: ``prompt_price`` (w_p = 1) per prompt
+    token processed, charged once per request (a recompute after preemption is free), and
+    ``output_price`` (w_q = 2) per output token, as produced; every charge is divided by the
+    user's weight (``spec.fairness_rules.charged_counter``). Admission picks the backlogged user
+    with the smallest counter and tries its oldest waiting request; within one iteration it
+    charges each admitted request's prompt in advance, so admissions interleave users. Ties go
+    to the user admitted least recently. When a user goes from idle to backlogged its counter
+    is lifted to the smallest counter among the other backlogged users
+    (``lifted_counter``). A preempted request returns ahead of its user's later arrivals. The
+    victim under KV pressure is the latest admitted request of a user holding more than its
+    weighted share of the KV blocks (by blocks, not by counter: see ``docs/fairness.md``).
+
+    Args:
+        weights: user id -> int weight >= 1 (weighted fair share); absent users weigh 1.
+        prompt_price: w_p, counter charge per prompt token (int >= 0).
+        output_price: w_q, counter charge per output token (int >= 0).
+        backfill: admission may pass a waiting request that does not fit (the scheduler
+            bounds it: ``aging_ticks``, ``BACKFILL_WINDOW``). Off by default: on the bench's
+            workloads it doubles preemptions for no throughput (``docs/fairness.md``).
+        isolation: ask the scheduler for TTFT isolation (``isolation.Isolation``).
+        admission_headroom: ask the scheduler to leave room for the next iteration's growth
+            at admission (``spec.fairness_rules.growth_headroom_blocks``): fewer preemptions.
+
+    Raises:
+        ValueError: a weight is not an int >= 1, or a price is not an int >= 0, or both are 0.
+
+    Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
+    waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1).
+
+    Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), the VTC algorithm;
+    artifact ``Ying1123/VTC-artifact`` (``vtc_req_queue.py``).
+    """
+
+    def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
+                 output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
+                 admission_headroom: bool = True) -> None:
+        weights = dict(weights or {})
+        for user, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"weight of user {user!r} must be an int >= 1, got {w!r}")
+        for name, p in (("prompt_price", prompt_price), ("output_price", output_price)):
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {p!r}")
+        if prompt_price == 0 and output_price == 0:
+            raise ValueError("prompt_price and output_price cannot both be 0")
+        self.backfill = backfill
+        self.isolation = isolation
+        self.admission_headroom = admission_headroom
+        self.prompt_price = prompt_price
+        self.output_price = output_price
+        self._weights = weights
+        self._q = _Waiting()
+        self._counter: dict[str, int] = {}
+        self._unfolded: dict[str, list[int]] = {}  # [prompt, output] tokens not yet in the counter
+        self._last_admit: dict[str, int] = {}
+        self._user_no: dict[str, int] = {}
+        self._ver: dict[str, int] = {}
+        self._heap: list[list[Any]] = []  # [counter, last_admit, user_no, ver, user]; lazy
+        self._admits = 0
+
+    # -------------------------------------------------------- counters
+
+    def weight_of(self, user: str) -> int:
+        """The user's share weight (1 unless given)."""
+        return self._weights.get(user, 1)
+
+    def counter(self, user: str) -> int:
+        """The user's virtual token counter, in counter units (0 for an unknown user)."""
+        c = self._counter.get(user, 0)
+        acc = self._unfolded.pop(user, None)
+        if acc is not None:
+            units = fr.service_units(acc[0], acc[1], self.prompt_price, self.output_price)
+            c = self._counter[user] = fr.charged_counter(c, units, self.weight_of(user))
+        return c
+
+    def counter_tokens(self, user: str) -> float:
+        """The counter in weighted tokens (``counter / COUNTER_SCALE``), for reports."""
+        return self.counter(user) / fr.COUNTER_SCALE
+
+    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
+        """Charge ``seq``'s user: w_p per first-time prompt token, w_q per output token.
+
+        O(1), every request every tick: the tokens are added up and folded into the counter
+        (``service_units``, ``charged_counter``) when the counter is next read, once per user
+        rather than once per request.
+        """
+        acc = self._unfolded.get(seq.user_id)
+        if acc is None:
+            self._unfolded[seq.user_id] = [prompt_tokens, output_tokens]
+        else:
+            acc[0] += prompt_tokens
+            acc[1] += output_tokens
+
+    # -------------------------------------------------------- the waiting queue
+
+    def __len__(self) -> int:
+        return self._q.n
+
+    def add(self, seq: Any) -> None:
+        if self._q.push(seq):
+            self._activate(seq.user_id)
+
+    def requeue(self, seq: Any) -> None:
+        if self._q.push_front(seq):
+            self._activate(seq.user_id)
+
+    def remove(self, seq: Any) -> None:
+        self._q.discard(seq)
+        self._admits += 1
+        self._last_admit[seq.user_id] = self._admits  # the key grows: the heap entry goes stale
+
+    def _activate(self, user: str) -> None:
+        """The user went idle -> backlogged: lift its counter, give it a fresh heap entry."""
+        if user not in self._user_no:
+            self._user_no[user] = len(self._user_no)
+        self._ver[user] = self._ver.get(user, 0) + 1  # invalidates the user's old entries
+        m = self._min_backlogged_counter()
+        self._counter[user] = fr.lifted_counter(self.counter(user), 0 if m is None else m, m is not None)
+        self._push(user)
+
+    def _key(self, user: str) -> list[Any]:
+        return [self.counter(user), self._last_admit.get(user, 0), self._user_no[user], self._ver[user], user]
+
+    def _push(self, user: str) -> None:
+        heappush(self._heap, self._key(user))
+        if len(self._heap) > 2 * len(self._q.users) + 64:  # drop dead entries now and then
+            self._heap = [self._key(u) for u in self._q.users]
+            heapify(self._heap)
+
+    def _valid(self, entry: list[Any]) -> bool:
+        user = entry[4]
+        return entry[3] == self._ver.get(user) and self._q.backlogged(user)
+
+    def _min_backlogged_counter(self) -> int | None:
+        """Smallest counter among backlogged users (other than one being activated), or None.
+
+        Pops dead entries and re-keys stale ones at the top; a stored key is never above the
+        true key (counters and admission stamps only grow), so the first exact top is the minimum.
+        """
+        h = self._heap
+        while h:
+            top = h[0]
+            if not self._valid(top):
+                heappop(h)
+                continue
+            key = self._key(top[4])
+            if key[:3] != top[:3]:
+                heapreplace(h, key)
+                continue
+            return top[0]
+        return None
+
+    def admission_order(self) -> Iterator[Any]:
+        """Waiting requests in VTC order, lazily: smallest counter first, each user's oldest first.
+
+        Between yields the counter of the user just yielded is advanced by its request's
+        uncharged prompt (as VTC charges at admission), on a local copy: the policy's state
+        does not change (only its heap is tidied).
+        """
+        self._min_backlogged_counter()  # tidy the top: its key is exact now
+        heap = self._heap
+        price = self.prompt_price
+        aux: list[tuple[Any, ...]] = [(heap[0][0], heap[0][1], heap[0][2], 0)] if heap else []
+        local: list[list[Any]] = []  # [counter, last_admit, user_no, user, iterator]
+        seen: set[str] = set()
+        stamp = self._admits
+        while True:
+            # Move heap entries whose stored key is not above the local minimum into `local`,
+            # with their exact key; the rest cannot be smaller.
+            while aux and (not local or aux[0][:3] <= tuple(local[0][:3])):
+                _, _, _, i = heappop(aux)
+                for j in (2 * i + 1, 2 * i + 2):
+                    if j < len(heap):
+                        e = heap[j]
+                        heappush(aux, (e[0], e[1], e[2], j))
+                entry = heap[i]
+                user = entry[4]
+                if user in seen or not self._valid(entry):
+                    continue
+                seen.add(user)
+                heappush(local, [self.counter(user), self._last_admit.get(user, 0), entry[2], user,
+                                 self._q.iter_user(user)])
+            if not local:
+                return
+            top = local[0]
+            seq = next(top[4], None)
+            if seq is None:
+                heappop(local)
+                continue
+            yield seq
+            stamp += 1
+            user = top[3]
+            top[0] = fr.charged_counter(top[0], price * _uncharged_prompt_tokens(seq), self.weight_of(user))
+            top[1] = stamp
+            heapreplace(local, top)
+
+    # -------------------------------------------------------- preemption
+
+    def choose_victim(self, running: Sequence[Any]) -> Any:
+        """The latest admitted request among those of users holding more than their weighted
+        fair share of the KV blocks held by ``running`` (``over_served`` by blocks); if no user
+        does (one user, or an exact tie), the latest admitted overall.
+
+        The most-served user's newest request is among the candidates; taking the newest of
+        all over-served users' requests loses the least recompute (``docs/fairness.md``,
+        section 3) and never preempts a user below its share.
+        """
+        blocks: dict[str, int] = {}
+        for s in running:
+            blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
+        total = sum(blocks.values())
+        total_w = sum(self.weight_of(u) for u in blocks)
+        over = {u for u, b in blocks.items() if fr.over_served(b, self.weight_of(u), total, total_w)}
+        best = None
+        for s in running:
+            if best is None or fr.victim_before(s.user_id in over, s.admit_no, best.user_id in over, best.admit_no):
+                best = s
+        return best
+
+
+# ---------------------------------------------------------------- round robin
+
+
+class RoundRobinPolicy:
+    """Per-user round robin: admission takes one request per backlogged user in turn.
+
+    Users rotate: a user whose request is admitted moves behind the others. Within a user,
+    first come first served; a preempted request returns ahead of its user's later arrivals.
+    The victim is the most recently admitted request (vLLM's rule). A baseline for the
+    fairness benchmark: it equalises admissions, not service (a user with long requests gets
+    more tokens).
+
+    Args:
+        backfill: admission may pass a waiting request that does not fit.
+    """
+
+    def __init__(self, *, backfill: bool = False) -> None:
+        self.backfill = backfill
+        self._q = _Waiting()
+        self._turns: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._q.n
+
+    def add(self, seq: Any) -> None:
+        if self._q.push(seq):
+            self._turns[seq.user_id] = None
+
+    def requeue(self, seq: Any) -> None:
+        if self._q.push_front(seq):
+            self._turns[seq.user_id] = None
+
+    def remove(self, seq: Any) -> None:
+        if self._q.discard(seq):
+            del self._turns[seq.user_id]
+        else:
+            self._turns.move_to_end(seq.user_id)
+
+    def admission_order(self) -> Iterator[Any]:
+        """Rounds over the backlogged users in turn order, one request per user per round."""
+        active = []
+        for user in self._turns:  # the first round is lazy: admission usually stops early
+            it = self._q.iter_user(user)
+            seq = next(it, None)
+            if seq is not None:
+                yield seq
+                active.append(it)
+        while active:
+            still = []
+            for it in active:
+                seq = next(it, None)
+                if seq is not None:
+                    yield seq
+                    still.append(it)
+            active = still
+
+    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
+        return None
+
+    def choose_victim(self, running: Sequence[Any]) -> Any:
+        return max(running, key=lambda s: s.admit_no)

@@ -17,17 +17,22 @@ the z3 proofs check.
 """
 from __future__ import annotations
 
+import itertools
 import numbers
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import inference_stub
+from backend_api import batch_items
 from inference_stub import Request
+from isolation import Isolation, PlanDraft
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
-from policy import FCFSPolicy, Policy
+from policy import Policy, VTCPolicy
+from spec import fairness_rules as fr
 from spec import lifecycle as lc
 from spec import rules
 from spec.invariants import InvariantChecker, InvariantViolation
@@ -42,6 +47,13 @@ PREFILL_CHUNK_TOKENS = 64
 MAX_RUNNING_REQUESTS = 256
 #: Default of ``Scheduler(check_invariants=None)``; the test suite turns it on (``tests/conftest.py``).
 CHECK_INVARIANTS = False
+#: Default most preemptions of one request; then it is pinned (``spec.fairness_rules.pinned``).
+MAX_PREEMPTIONS = 4
+#: Default aging bound: ticks as the first waiting request that does not fit, then it holds the
+#: reservation (``spec.fairness_rules.reserved_after``).
+AGING_TICKS = 32
+#: With backfill, most non-fitting waiting requests tried past the first one, per tick.
+BACKFILL_WINDOW = 16
 
 #: The one shared lifecycle machine; records are never registered with it.
 MACHINE = lc.new_machine()
@@ -108,6 +120,10 @@ class _Seq:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     admit_no: int = -1
+    admit_tick: int = -1
+    num_prompt_tokens_served: int = 0  # most prompt tokens ever computed: prompts are charged once
+    blocked_ticks: int = 0  # ticks as the first waiting request that did not fit (aging)
+    pinned: bool = False  # admitted with worst-case blocks after MAX_PREEMPTIONS; never a victim
     admitted_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
@@ -154,6 +170,13 @@ class SchedulePlan:
         admission_stop: why admission stopped: ``"empty"`` (nothing waiting), ``"kv"``,
             ``"budget"``, ``"max_running"`` or ``"preempted"`` (no admission in a tick that
             preempted).
+        sat_out: resident requests that sit out this iteration, keeping their KV (TTFT
+            isolation, ``isolation.py``).
+        blocked: the first waiting request that did not fit (its aging count grows), or None.
+        reserve: the request that holds the reservation after this iteration (room was made
+            for it by preemption), or None.
+        isolated: whether this iteration is isolated (``sat_out`` or deferred admissions).
+        protected_updates: user -> protected (TTFT protection hysteresis states to commit).
     """
 
     batch: tuple[ScheduledSeq, ...]
@@ -161,6 +184,11 @@ class SchedulePlan:
     num_batched_tokens: int
     free_blocks_after: int
     admission_stop: str
+    sat_out: tuple[_Seq, ...] = ()
+    blocked: _Seq | None = None
+    reserve: _Seq | None = None
+    isolated: bool = False
+    protected_updates: dict[str, bool] = field(default_factory=dict)
 
     @property
     def requests(self) -> list[Request]:
@@ -188,19 +216,37 @@ class Scheduler:
         vocab_size: prompts must use ids below this (``VOCAB_SIZE``; ``None`` disables).
         clock: a callable returning seconds; ``time.time`` by default.
         backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
-            at every call.
-        policy: admission and victim policy (``FCFSPolicy``).
+            at every call. A backend with an ``execute_model`` method (``backend_api``) is
+            given ``BatchItem``s instead: token ids, ``num_computed_tokens``, block table.
+        policy: admission and victim policy: ``policy.VTCPolicy()`` (fair share across users)
+            by default; ``policy.FCFSPolicy()`` and ``policy.RoundRobinPolicy()`` exist too.
         record_itl: keep per-token gaps for ITL percentiles (see ``MetricsRecorder``).
         check_invariants: evaluate every ``spec.invariants`` predicate after every tick and
             raise ``InvariantViolation`` naming the property (O(requests) per tick; default
             ``CHECK_INVARIANTS``).
+        max_backend_tries: the retry policy for backend faults. ``None`` (default): every failed
+            tick raises ``BackendError`` and changes nothing, for ever. ``N``: the N-th
+            consecutive failed tick fails the requests of its batch instead (finish reason
+            ``"error"``, blocks freed, returned by that ``tick()``); other requests are untouched.
+        max_preemptions: most preemptions of one request (4); then it is re-admitted with its
+            worst-case blocks reserved and never preempted again. ``None``: no cap.
+        aging_ticks: ticks a request may be the first waiting request that does not fit while
+            backfill passes it (32); then blocks are reserved for it until it fits.
+        isolation: TTFT isolation for under-served users (``isolation.Isolation``): ``None``
+            turns it on when the policy asks for it (``VTCPolicy`` does), ``True``/``False``
+            force it, or pass a configured ``Isolation``.
+        admission_headroom: admissions leave ``ceil(resident / block_tokens)`` blocks free for
+            the next iteration's growth (``spec.fairness_rules.growth_headroom_blocks``), so a
+            request is not preempted right after its admission. ``None``: when the policy asks
+            for it (``VTCPolicy`` does; FCFS and round robin pack the cache as vLLM V1 does).
 
     Raises:
-        ValueError: a knob is not a positive int.
+        ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int).
 
-    Thread safety: ``submit``, ``has_active`` and ``metrics`` may be called from other threads
-    while ``tick()`` runs; ``forward`` is called without holding the state lock, and ticks
-    are serialised (a second thread's ``tick()`` waits for the first).
+    Thread safety: ``submit``, ``abort``, ``has_active`` and ``metrics`` may be called from
+    other threads while ``tick()`` runs; ``forward`` is called without holding the state lock,
+    and ticks are serialised (a second thread's ``tick()`` waits for the first). See
+    ``docs/reliability.md``.
     """
 
     def __init__(
@@ -218,6 +264,11 @@ class Scheduler:
         policy: Policy | None = None,
         record_itl: bool = True,
         check_invariants: bool | None = None,
+        max_backend_tries: int | None = None,
+        max_preemptions: int | None = MAX_PREEMPTIONS,
+        aging_ticks: int = AGING_TICKS,
+        isolation: Isolation | bool | None = None,
+        admission_headroom: bool | None = None,
     ) -> None:
         stub = inference_stub
         self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
@@ -233,7 +284,24 @@ class Scheduler:
         self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
         self.clock: Callable[[], float] = clock or time.time
         self._backend = backend
-        self.policy: Policy = policy if policy is not None else FCFSPolicy()
+        self.policy: Policy = policy if policy is not None else VTCPolicy()
+        if max_preemptions is None:
+            max_preemptions = sys.maxsize
+        elif isinstance(max_preemptions, bool) or not isinstance(max_preemptions, int) or max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be an int >= 0 or None, got {max_preemptions!r}")
+        self.max_preemptions = max_preemptions
+        self.aging_ticks = _positive("aging_ticks", aging_ticks)
+        if isolation is None:
+            isolation = bool(getattr(self.policy, "isolation", False))
+        self.isolation: Isolation | None = (isolation if isinstance(isolation, Isolation)
+                                            else Isolation() if isolation else None)
+        self.admission_headroom = bool(getattr(self.policy, "admission_headroom", False)
+                                       if admission_headroom is None else admission_headroom)
+        self._weight_of: Callable[[str], int] = getattr(self.policy, "weight_of", None) or _unit_weight
+        self._resident_by_user: dict[str, int] = {}  # user -> resident requests
+        self._resident_weight = 0  # sum of the weights of users with a resident request
+        self._waiting_by_user: dict[str, int] = {}  # user -> queued or preempted requests
+        self._reserved: _Seq | None = None  # tried first; nothing else admitted until it fits
         self.pool = BlockPool(self.kv_cap_blocks)
         self.running: list[_Seq] = []
         self._by_obj: dict[int, _Seq] = {}
@@ -245,6 +313,13 @@ class Scheduler:
         self.stats = MetricsRecorder(record_itl=record_itl)
         on = CHECK_INVARIANTS if check_invariants is None else check_invariants
         self._checker: InvariantChecker | None = InvariantChecker() if on else None
+        self.max_backend_tries = None if max_backend_tries is None else _positive("max_backend_tries",
+                                                                                  max_backend_tries)
+        self._backend_failures = 0  # consecutive failed ticks (the retry policy's count)
+        self._inflight: tuple[SchedulePlan, int] | None = None  # (plan, ticking thread) while forward runs
+        self._last_tick: tuple[SchedulePlan | None, list[Request], str | None] = (None, [], None)
+        self._pending_aborts: list[_Seq] = []  # aborts of in-flight requests, applied when the tick ends
+        self._tick_done = threading.Condition(self._lock)  # notified when pending aborts were applied
 
     # ------------------------------------------------------------ the contract
 
@@ -258,7 +333,13 @@ class Scheduler:
                 ``kv_cap_blocks`` blocks (it could never run).
             DuplicateRequestError: the object, or its non-empty ``request_id``, is in flight.
 
-        On any error nothing changes except the refusal count in ``metrics()``.
+        On any error nothing changes except the refusal count in ``metrics()`` (the request's
+        fields included: on acceptance only, ``submitted_at`` is stamped and ``started_at``,
+        ``completed_at`` are cleared). Thread-safe: may be called from any thread, also while
+        ``tick()`` runs (the request joins a later tick).
+        A prompt that fits but whose ``prompt + max_tokens`` exceeds the cache is accepted; it
+        finishes with reason ``"length"`` when prompt + generated reach ``kv_cap_blocks *
+        block_tokens`` tokens (vLLM's ``max_model_len`` rule).
         """
         with self._lock:
             try:
@@ -268,6 +349,7 @@ class Scheduler:
                 raise
             now = self.clock()
             request.submitted_at = now
+            request.started_at = request.completed_at = None  # a resubmitted (aborted) object starts afresh
             seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt)
             self._arrivals += 1
             self._by_obj[id(request)] = seq
@@ -275,49 +357,128 @@ class Scheduler:
                 self._by_id[request.request_id] = seq
             self.stats.on_submit(now)
             self.policy.add(seq)
+            self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
 
     def tick(self) -> list[Request]:
         """Run one model iteration.
 
         Returns:
             The requests that finished in this iteration (EOS, ``max_tokens``, or the cache's
-            length limit), each with ``completed_at`` set and its blocks already freed.
+            length limit), each with ``completed_at`` set and its blocks already freed; with
+            ``max_backend_tries``, the requests of a batch failed by the retry policy.
+            ``last_finished`` gives each one's finish reason. Aborted requests are never
+            returned here (``abort`` returns them).
 
         Raises:
             BackendError: ``forward`` raised or returned a wrong number of tokens or a
                 non-int; the tick is not applied, so calling ``tick()`` again retries it.
             InvariantViolation: with ``check_invariants``, a spec invariant failed after the
                 tick (a scheduler bug; the tick was applied).
+            BaseException: one that is not an ``Exception`` (``KeyboardInterrupt``) raised
+                inside ``forward`` is re-raised as it is, after the same rollback.
         """
         with self._tick_lock:
             with self._lock:
+                start_s = self.clock()
                 plan = self.schedule()
                 journal = self._commit_blocks(plan)
-            start_s = self.clock()
+                self._inflight = (plan, threading.get_ident())
             batch = plan.requests
             tokens: Sequence[int] = []
             if batch:
                 backend = self._backend or forward  # looked up now, so a wrapped forward is seen
-                if self._checker is not None:
-                    backend = self._checker.count_forward(backend)
+                execute_model = getattr(backend, "execute_model", None)  # a paged model runner
+                if self._checker is not None:  # count forward calls (one_forward_per_tick)
+                    if execute_model is not None:
+                        execute_model = self._checker.count_forward(execute_model)
+                    else:
+                        backend = self._checker.count_forward(backend)
                 try:
-                    tokens = backend(batch)
+                    tokens = execute_model(batch_items(plan)) if execute_model else backend(batch)
                     self._check_tokens(tokens, batch)
-                except Exception as e:  # noqa: BLE001 - any backend failure undoes the tick
+                except BaseException as e:  # any failure undoes the tick, even KeyboardInterrupt
                     with self._lock:
                         self._rollback_blocks(journal)
-                    if isinstance(e, BackendError):
+                        self._end_inflight()
+                    if not isinstance(e, Exception):
                         raise
-                    raise BackendError(f"forward raised {type(e).__name__}: {e}",
-                                       [r.request_id for r in batch]) from e
+                    return self._on_backend_failure(plan, e)
             with self._lock:
+                self._backend_failures = 0
                 finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
-                if self._checker is not None:
-                    self._checker.after_tick(self, plan, finished)
+                self._last_tick = (plan, finished, None)
+                try:
+                    if self._checker is not None:  # before deferred aborts apply: the plan's own outcome
+                        self._checker.after_tick(self, plan, finished)
+                finally:
+                    self._end_inflight()
                 return finished
 
+    def abort(self, request: Request | str) -> Request | None:
+        """Cancel a request in any live state (queued, prefilling, decoding, preempted).
+
+        The request leaves at once: its KV blocks are freed in this call, its lifecycle fires
+        ``abort`` (state ``aborted``), ``completed_at`` is stamped, ``generated`` keeps the
+        tokens it had, and it is counted under ``finish_reasons["abort"]`` in ``metrics()``
+        (not in the latency or throughput figures). It is returned here, once; ``tick()``
+        never returns it.
+
+        Thread-safe. If the request takes part in a ``tick()`` running in another thread (in
+        its batch, whose block tables ``forward`` may be reading, or among its preempted), the
+        abort is deferred to the end of that tick and this call waits for it (one iteration,
+        never more): the tick aborts the request right after applying its output, in the
+        same locked step that ends it, so no later tick can schedule it. If that tick
+        finished the request (EOS, length, or the retry policy's ``"error"``), ``tick()``
+        returns it and this call returns ``None``. Any other request is aborted without
+        waiting. When two threads abort the same in-flight request, one gets it.
+
+        Args:
+            request: the ``Request`` object, or its non-empty ``request_id``.
+
+        Returns:
+            The aborted ``Request``; ``None`` when nothing live matches (unknown, empty or
+            already finished / aborted id): a no-op.
+
+        Raises:
+            RuntimeError: called from inside ``forward`` (on the ticking thread) for a request
+                of the batch being computed; waiting would deadlock.
+        """
+        with self._lock:
+            seq = self._lookup(request)
+            if seq is None:
+                return None
+            inflight = self._inflight
+            if inflight is None or not _in_plan(seq, inflight[0]):
+                return self._retire(seq, "abort", self.clock())
+            if inflight[1] == threading.get_ident():
+                raise RuntimeError(f"abort({seq.request_id!r}) from inside forward of the batch that holds it")
+            mine = not any(p is seq for p in self._pending_aborts)
+            if mine:
+                self._pending_aborts.append(seq)
+            while self._inflight is inflight:  # _end_inflight retires it and wakes us
+                self._tick_done.wait()
+            return seq.req if mine and seq.finish_reason == "abort" else None
+
+    @property
+    def last_finished(self) -> list[tuple[Request, str]]:
+        """``(request, finish_reason)`` for each request the last ``tick()`` returned, in order.
+
+        Reasons: ``"stop"`` (EOS), ``"length"`` (``max_tokens`` or the cache length) and
+        ``"error"`` (failed by the ``max_backend_tries`` retry policy). Replaced at every tick
+        that returns; only that tick's requests are kept.
+        """
+        with self._lock:
+            plan, finished, reason = self._last_tick
+            if reason is not None or plan is None:
+                return [(r, reason or "") for r in finished]
+            by_req = {id(s.seq.req): s.seq.finish_reason for s in plan.batch}
+            return [(r, by_req[id(r)]) for r in finished]
+
     def has_active(self) -> bool:
-        """True while any request is queued, resident (prefilling or decoding) or preempted."""
+        """True while any request is queued, resident (prefilling or decoding) or preempted.
+
+        When it is False, no KV block is in use. Thread-safe (also during ``tick()``).
+        """
         with self._lock:
             return bool(self.running) or len(self.policy) > 0
 
@@ -329,6 +490,8 @@ class Scheduler:
             the first submit to the last completion), ``avg_latency_s`` and ``p99_latency_s``
             (``completed_at - submitted_at``, linear-interpolation percentile) and
             ``gpu_utilization`` (non-empty ticks / ticks), all floats, 0.0 before any finish.
+            Refused submits are counted in ``refusals`` / ``refusals_by_reason``; aborted and
+            failed requests in ``finish_reasons`` only. Thread-safe (also during ``tick()``).
         """
         with self._lock:
             return self.stats.summary(kv_blocks_in_use=self.pool.num_used, kv_cap_blocks=self.kv_cap_blocks,
@@ -356,6 +519,8 @@ class Scheduler:
         grants: dict[_Seq, list[int]] = {}  # seq -> [num_new_tokens, new_blocks]
         order: list[_Seq] = []
         preempted: list[_Seq] = []
+        pending: list[_Seq] = []  # scheduled requests prefilling toward their first token
+        tick_no = self.stats.ticks
         live = list(self.running)  # resident requests not (yet) preempted in this plan
         i = 0
         while i < len(live):
@@ -363,7 +528,10 @@ class Scheduler:
             need = rules.growth_blocks(len(seq.block_table), seq.num_tokens, B)
             preempted_self = False
             while not rules.can_allocate(free, need):
-                victim = self.policy.choose_victim(live)
+                # Pinned requests are never victims; seq itself is not pinned (pinned ones never grow).
+                victim = self.policy.choose_victim([s for s in live if not s.pinned])
+                if not fr.may_preempt(victim.num_preemptions, self.max_preemptions, victim.admit_tick, tick_no):
+                    raise AssertionError(f"policy chose {victim.request_id}, which may not be preempted")
                 v = live.index(victim)
                 del live[v]
                 preempted.append(victim)
@@ -386,37 +554,59 @@ class Scheduler:
                 order.append(seq)
                 free -= need
                 budget -= n
+                if not seq.req.generated:
+                    pending.append(seq)
             i += 1
 
         admitted: list[_Seq] = []
+        blocked: list[_Seq] = []  # waiting candidates that did not fit, in the order tried
         if preempted:
             stop = "preempted"
         else:
             stop = "empty"
             resident = len(live)
-            for seq in self.policy.admission_order():
+            candidates = self.policy.admission_order()
+            reserved = self._reserved
+            if reserved is not None and reserved.state in lc.WAITING_STATES:  # the reservation goes first
+                candidates = itertools.chain((reserved,), (s for s in candidates if s is not reserved))
+            for seq in candidates:
                 if resident + len(admitted) >= self.max_running:
                     stop = "max_running"
                     break
                 if budget <= 0:
                     stop = "budget"
                     break
-                need = rules.blocks_needed(seq.num_tokens, B)
-                if not rules.can_allocate(free, need):
+                need = self._admission_blocks(seq)
+                headroom = (fr.growth_headroom_blocks(resident + len(admitted), B)
+                            if self.admission_headroom and seq is not reserved else 0)
+                if not fr.can_admit(free, need, headroom):
                     stop = "kv"
-                    if self.policy.backfill:
-                        continue
-                    break
+                    blocked.append(seq)
+                    if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
+                            seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):
+                        break  # no backfill, or the reservation: nothing passes it
+                    if len(blocked) > BACKFILL_WINDOW:
+                        break
+                    continue
                 n = rules.chunk_tokens(seq.num_tokens, 0, chunk, budget)
                 grants[seq] = [n, need]
                 admitted.append(seq)
                 free -= need
                 budget -= n
-        adm = set(admitted)
-        batch = tuple(ScheduledSeq(s, grants[s][0], grants[s][1], s in adm) for s in order + admitted)
-        return SchedulePlan(batch=batch, preempted=tuple(preempted),
+                if not seq.req.generated:
+                    pending.append(seq)
+        d = PlanDraft(live=live, order=order, admitted=admitted, grants=grants, preempted=preempted,
+                      free_blocks=free, budget_tokens=budget, blocked=blocked, stop=stop, pending=pending)
+        if self.isolation is not None:
+            d.aging_due = bool(blocked) and fr.reserved_after(blocked[0].blocked_ticks + 1, self.aging_ticks)
+            self.isolation.refine(d, self)
+        adm = set(d.admitted)
+        batch = tuple(ScheduledSeq(s, d.grants[s][0], d.grants[s][1], s in adm) for s in d.order + d.admitted)
+        return SchedulePlan(batch=batch, preempted=tuple(d.preempted),
                             num_batched_tokens=sum(s.num_new_tokens for s in batch),
-                            free_blocks_after=free, admission_stop=stop)
+                            free_blocks_after=d.free_blocks, admission_stop=d.stop, sat_out=tuple(d.sat_out),
+                            blocked=next((s for s in d.blocked if s not in adm), None), reserve=d.reserve,
+                            isolated=d.isolated, protected_updates=d.protected_updates)
 
     def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
         """Before ``forward``: free the victims' blocks and grant the plan's blocks.
@@ -473,12 +663,15 @@ class Scheduler:
         now = self.clock()
         start_s = now if iteration_start_s is None else iteration_start_s
         pool = self.pool
+        tick_no = self.stats.ticks
         for seq in plan.preempted:  # blocks were freed by _commit_blocks
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
             _EVENTS["preempt"].trigger(seq)
             self.policy.requeue(seq)
             self.stats.preemptions += 1
+            self._leave_resident(seq)
+            self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
         gone = set(plan.preempted)
         finished: list[Request] = []
         for s, token in zip(plan.batch, tokens):
@@ -488,11 +681,22 @@ class Scheduler:
                 _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
                 seq.admit_no = self._admissions
                 self._admissions += 1
+                seq.admit_tick = tick_no
+                seq.pinned = fr.pinned(seq.num_preemptions, self.max_preemptions)
+                seq.blocked_ticks = 0
                 if seq.admitted_s is None:
                     seq.admitted_s = start_s
                 self.running.append(seq)
-            prompt_part = max(0, min(seq.num_computed_tokens + s.num_new_tokens, seq.num_prompt_tokens)
-                              - seq.num_computed_tokens) if seq.num_preemptions == 0 else 0
+                self._enter_resident(seq)
+                self._leave_waiting(seq)
+                if seq is self._reserved:
+                    self._reserved = None
+            prompt_part = 0
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt chunk: charged once per request
+                prompt_part = fr.new_prompt_tokens(seq.num_computed_tokens, s.num_new_tokens, seq.num_prompt_tokens,
+                                                   seq.num_prompt_tokens_served)
+                seq.num_prompt_tokens_served = fr.prompt_high_water(
+                    seq.num_prompt_tokens_served, seq.num_computed_tokens, s.num_new_tokens, seq.num_prompt_tokens)
             produced = rules.produces_token(seq.num_computed_tokens, s.num_new_tokens, seq.num_tokens)
             seq.num_computed_tokens += s.num_new_tokens
             if not produced:
@@ -522,16 +726,126 @@ class Scheduler:
             req.completed_at = now
             gone.add(seq)
             self._forget(seq)
+            self._leave_resident(seq)
             finished.append(req)
             self.stats.on_finish(user_id=seq.user_id, reason=reason, submitted_s=req.submitted_at,
                                  first_token_s=req.started_at, admitted_s=seq.admitted_s, completed_s=now,
                                  prompt_tokens=seq.num_prompt_tokens, output_tokens=len(req.generated))
         if gone:
             self.running = [s for s in self.running if s not in gone]
+        if plan.reserve is not None and plan.reserve.state in lc.WAITING_STATES:
+            self._reserved = plan.reserve  # room was made for it: nothing else takes the blocks
+        b = plan.blocked
+        if b is not None and b.state in lc.WAITING_STATES:
+            b.blocked_ticks += 1
+            if self._reserved is None and fr.reserved_after(b.blocked_ticks, self.aging_ticks):
+                self._reserved = b
+        if self.isolation is not None:
+            self.isolation.commit(plan.isolated, plan.protected_updates)
+            if plan.batch and iteration_start_s is not None:  # learn the latency of our own forward
+                self.isolation.model.observe(len(plan.batch), plan.num_batched_tokens, now - start_s)
         self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)
         return finished
 
+    # ------------------------------------------------------------ reliability: abort, backend faults
+
+    def _lookup(self, request: Any) -> _Seq | None:
+        """The live record for a ``Request`` object or a non-empty ``request_id``, else None."""
+        if isinstance(request, str):
+            return self._by_id.get(request) if request else None
+        return self._by_obj.get(id(request))
+
+    def _retire(self, seq: _Seq, reason: str, now_s: float) -> Request:
+        """Take a live request out without completing it (``abort`` event, reason ``abort`` / ``error``).
+
+        Frees its blocks (a resident request) or takes it off the waiting queue. Expects the
+        state lock held and ``seq`` not in an in-flight plan.
+        """
+        if seq.state in lc.WAITING_STATES:
+            self.policy.remove(seq)
+            self._leave_waiting(seq)
+            if seq is self._reserved:
+                self._reserved = None
+        else:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+            self.running.remove(seq)
+            self._leave_resident(seq)
+        seq.finish_reason = reason
+        _EVENTS["abort"].trigger(seq)
+        seq.req.completed_at = now_s
+        self._forget(seq)
+        self.stats.on_cancel(reason)
+        return seq.req
+
+    def _end_inflight(self) -> None:
+        """The in-flight tick is over (applied or rolled back): retire the aborts deferred to its end.
+
+        Expects the state lock held. Requests the tick finished are left alone (``tick()``
+        returns them); the waiting ``abort`` calls are woken.
+        """
+        self._inflight = None
+        if self._pending_aborts:
+            now = self.clock()
+            for seq in self._pending_aborts:
+                if self._by_obj.get(id(seq.req)) is seq:
+                    self._retire(seq, "abort", now)
+            self._pending_aborts.clear()
+            self._tick_done.notify_all()
+
+    def _on_backend_failure(self, plan: SchedulePlan, e: Exception) -> list[Request]:
+        """After a rolled-back tick: raise ``BackendError``, or fail the batch (``max_backend_tries``)."""
+        with self._lock:
+            self._backend_failures += 1
+            if self.max_backend_tries is None or self._backend_failures < self.max_backend_tries:
+                if isinstance(e, BackendError):
+                    raise e
+                raise BackendError(f"forward raised {type(e).__name__}: {e}",
+                                   [r.request_id for r in plan.requests]) from e
+            self._backend_failures = 0
+            now = self.clock()
+            failed = [self._retire(s.seq, "error", now) for s in plan.batch
+                      if self._by_obj.get(id(s.seq.req)) is s.seq]  # not aborted meanwhile
+            self._last_tick = (plan, failed, "error")
+            return failed
+
     # ------------------------------------------------------------ helpers
+
+    def _admission_blocks(self, seq: _Seq) -> int:
+        """KV blocks reserved when ``seq`` is admitted: its tokens plus the lookahead slot, or
+        its worst case once it is pinned (``spec.fairness_rules.pinned``).
+
+        An override point for baselines (``baselines.ReservationScheduler`` reserves prompt +
+        ``max_tokens``); an override must return at least this and at most ``kv_cap_blocks``.
+        """
+        need = rules.blocks_needed(seq.num_tokens, self.block_tokens)
+        if fr.pinned(seq.num_preemptions, self.max_preemptions):
+            need = max(need, fr.worst_case_blocks(seq.num_prompt_tokens, seq.req.max_tokens,
+                                                  self.max_model_len_tokens, self.block_tokens))
+        return need
+
+    def _enter_resident(self, seq: _Seq) -> None:
+        c = self._resident_by_user.get(seq.user_id, 0)
+        if c == 0:
+            self._resident_weight += self._weight_of(seq.user_id)
+        self._resident_by_user[seq.user_id] = c + 1
+
+    def _leave_waiting(self, seq: _Seq) -> None:
+        """``seq`` leaves the waiting queue (admitted or aborted): per-user counts follow."""
+        c = self._waiting_by_user[seq.user_id] - 1
+        if c:
+            self._waiting_by_user[seq.user_id] = c
+        else:
+            del self._waiting_by_user[seq.user_id]
+
+    def _leave_resident(self, seq: _Seq) -> None:
+        """``seq`` stops being resident (preempted, finished or aborted): per-user counts follow."""
+        c = self._resident_by_user[seq.user_id] - 1
+        if c == 0:
+            del self._resident_by_user[seq.user_id]
+            self._resident_weight -= self._weight_of(seq.user_id)
+        else:
+            self._resident_by_user[seq.user_id] = c
 
     def _forget(self, seq: _Seq) -> None:
         self._by_obj.pop(id(seq.req), None)
@@ -574,13 +888,13 @@ class Scheduler:
 
     @staticmethod
     def _check_tokens(tokens: Any, batch: list[Request]) -> None:
-        ids = [r.request_id for r in batch]
         if not isinstance(tokens, (list, tuple)) or len(tokens) != len(batch):
             n = len(tokens) if isinstance(tokens, (list, tuple)) else type(tokens).__name__
-            raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}", ids)
+            raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}",
+                               [r.request_id for r in batch])
         for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise BackendError(f"forward returned a non-int token {t!r}", ids)
+            if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral)):
+                raise BackendError(f"forward returned a non-int token {t!r}", [r.request_id for r in batch])
 
     # ------------------------------------------------------------ introspection
 
@@ -601,6 +915,22 @@ class Scheduler:
                 assert rules.resident_covered(len(s.block_table), s.num_tokens, self.block_tokens), \
                     f"{s.request_id}: holds {len(s.block_table)} blocks for {s.num_tokens} tokens"
                 assert s.num_computed_tokens <= s.num_tokens, f"{s.request_id}: num_computed_tokens > num_tokens"
+            by_user: dict[str, int] = {}
+            for s in self.running:
+                by_user[s.user_id] = by_user.get(s.user_id, 0) + 1
+            assert by_user == self._resident_by_user, "resident counts per user"
+            assert sum(self._waiting_by_user.values()) == len(self.policy) and all(
+                self._waiting_by_user.values()), "waiting counts per user"
+            assert self._resident_weight == sum(self._weight_of(u) for u in by_user), "resident weight"
+
+
+def _unit_weight(user: str) -> int:
+    return 1
+
+
+def _in_plan(seq: _Seq, plan: SchedulePlan) -> bool:
+    """Whether ``seq`` takes part in ``plan`` (in its batch or among its preempted)."""
+    return any(s.seq is seq for s in plan.batch) or any(p is seq for p in plan.preempted)
 
 
 def _positive(name: str, v: Any) -> int:

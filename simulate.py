@@ -3,6 +3,8 @@
     python simulate.py                                   # 50 requests of request_gen.stream, real-time stub
     python simulate.py --trace norm_azure2023_conv.csv --limit 2000 --kv-cap-blocks 1024
     python simulate.py --clock virtual --n 10000 --rate 40
+    python simulate.py --backend model                   # a tiny seeded Llama on the paged KV cache
+    python simulate.py --backend model --model PATH      # a local Hugging Face checkpoint directory
 
 Arrivals are replayed: each request is submitted when the clock passes its arrival offset,
 between ticks, as a serving loop would. With ``--clock virtual`` the stub advances simulated
@@ -168,7 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=None, help="most resident requests (default 256)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens per iteration (default: cache size)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--backend", choices=("stub", "model"), default="stub",
+                   help="stub: the simulated GPU (default); model: a Hugging Face Llama-family model on a paged "
+                        "KV cache (needs the 'model' extra; real clock)")
+    p.add_argument("--model", default=None, help="with --backend model: a local checkpoint directory "
+                                                 "(default: a tiny seeded Llama, 2 layers, hidden 64)")
+    p.add_argument("--device", default=None, help="with --backend model: torch device (default: cuda if present)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
+                   help="with --backend model: model and KV cache dtype (default float32)")
     a = p.parse_args(argv)
+    if a.backend == "model" and a.clock == "virtual":
+        p.error("--backend model runs on the real clock (its iteration time is the model's)")
 
     if a.trace:
         reqs = request_gen.load_trace(a.trace, limit=a.limit, time_scale=a.time_scale, users=a.users, seed=a.seed)
@@ -181,11 +193,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                             ("token_budget_tokens", a.token_budget)) if v is not None}
     eos_p = a.eos_probability if a.eos_probability is not None else (0.0 if a.trace else
                                                                       inference_stub.EOS_PROBABILITY)
-    res = run_workload(reqs, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p, progress=not a.no_progress and len(reqs) >= 200,
-                       **kw)
+    progress = not a.no_progress and len(reqs) >= 200
+    if a.backend == "model":
+        try:
+            import model_backend  # noqa: PLC0415 - the optional 'model' extra
+        except ImportError as e:
+            print(f"--backend model needs the 'model' extra (pip install -e '.[model]'): {e}", file=sys.stderr)
+            return 2
+        backend = model_backend.from_cli(path=a.model, device=a.device, dtype=a.dtype,
+                                         num_blocks=kw.pop("kv_cap_blocks", 256))
+        res = run_workload(reqs, make_scheduler=backend.make_scheduler, virtual=False, progress=progress, **kw)
+        virtual = False
+        print(f"Batch on {label}, model backend: {backend.describe()}")
+    else:
+        res = run_workload(reqs, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p, progress=progress,
+                           **kw)
+        print(f"Batch on {label}")
     s = res.scheduler
-    print(f"Batch on {label}")
-    print(f"clock: {'virtual' if virtual else 'real-time stub'}; KV cap {s.kv_cap_blocks} blocks x "
+    print(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.kv_cap_blocks} blocks x "
           f"{s.block_tokens} tokens; prefill chunk {s.prefill_chunk_tokens}; policy {type(s.policy).__name__}")
     print(format_metrics(s.metrics(), res))
     if res.refused:

@@ -11,7 +11,11 @@ from typing import Any
 
 
 def _is_z3(*xs: Any) -> bool:
-    return any(type(x).__module__.startswith("z3") for x in xs)
+    for x in xs:  # a plain loop with an int/bool fast path: the scheduler calls this per request per tick
+        t = type(x)
+        if t is not int and t is not bool and t.__module__.startswith("z3"):
+            return True
+    return False
 
 
 def _z3():
@@ -42,6 +46,8 @@ def Implies(a: Any, b: Any) -> Any:
 
 def If(c: Any, a: Any, b: Any) -> Any:
     """``a`` if ``c`` else ``b`` (both branches are evaluated)."""
+    if c is True or c is False:  # a decided condition picks a branch in both worlds (fast path)
+        return a if c else b
     if type(a) is int and type(b) is int and a == b:
         return a  # no term needed (z3 would guess its sort: Int, even among bit-vectors)
     return _z3().If(c, a, b) if _is_z3(c, a, b) else (a if c else b)

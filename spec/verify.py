@@ -694,4 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported ``spec.verify``, not this ``__main__`` copy: plugins register into the former.
+    from spec.verify import main as _main  # noqa: PLC0415
+
+    sys.exit(_main())

@@ -4,6 +4,7 @@ from conftest import ScriptedBackend, StepClock, drain, make_req
 
 import inference_stub
 import scheduler as sched_mod
+from policy import FCFSPolicy
 from scheduler import (BackendError, DuplicateRequestError, InvalidRequestError, PromptTooLongError,
                        Scheduler)
 
@@ -101,7 +102,7 @@ def test_preemption_when_every_running_request_needs_a_block_in_the_same_tick():
     # cap 8 blocks: four 31-token prompts hold 2 blocks each (31 tokens + 1 slot). After the
     # first token each has 32 tokens and needs a 3rd block, all in the same tick.
     be = ScriptedBackend()
-    s = new(be, kv_cap_blocks=8)
+    s = new(be, kv_cap_blocks=8, policy=FCFSPolicy())  # FCFS packs the cache (no admission headroom)
     reqs = [make_req(f"r{i}", user=f"u{i}", n_prompt=31, max_tokens=20) for i in range(4)]
     for r in reqs:
         s.submit(r)

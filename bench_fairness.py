@@ -1,0 +1,441 @@
+"""Fairness benchmark: VTC with TTFT isolation against VTC alone, FCFS and per-user round robin.
+
+    python bench_fairness.py                 # every workload, virtual clock, plus the real-time A/B burst
+    python bench_fairness.py --quick         # small sizes (what the test suite runs)
+    python bench_fairness.py --no-realtime   # skip the real-time stub runs
+
+Workloads (seeded; virtual clock through ``simulate.run_workload`` unless stated):
+
+* ``ab-at-once``: the seed's test: 100 requests of user A and 5 of user B (prompts 5..199,
+  ``max_tokens`` 10..99), all submitted before the first tick. ``ab-spread``: the same with
+  arrivals spread uniformly over one second, submitted between ticks. B's median TTFT with A
+  present over B's median when A is absent (same policy, same requests).
+* ``flood``: user A submits ``--flood`` requests at once; users B and C send small requests
+  (Poisson, 2/s each) while A's backlog lasts. Their TTFT, and the bound of ``docs/fairness.md``.
+* ``overload``: four users (short, long-prompt, long-output, mixed requests), each with a
+  backlog for the whole run: Jain's index of their weighted service while all are backlogged
+  and the largest service gap between two backlogged users against the VTC paper's bound.
+* ``returning``: users A and C backlogged throughout; B works, goes idle, and returns with a
+  backlog: B's share of the service in the window after its return (fair: 1/3).
+
+Measured per policy: the TTFT ratio, A's output throughput relative to FCFS, Jain's index,
+the largest service gap (weighted tokens: w_p per first-time prompt token, w_q per output
+token), preemptions and isolated iterations.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import inference_stub
+import simulate
+from inference_stub import Request
+from metrics import jain_index
+from policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
+from scheduler import Scheduler
+from spec import fairness_rules as fr
+
+PROMPT_RANGE = (5, 199)
+MAX_TOKENS_RANGE = (10, 99)
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def _req(rng: random.Random, user: str, i: int, t_s: float, prompt: tuple[int, int] = PROMPT_RANGE,
+         max_tokens: tuple[int, int] = MAX_TOKENS_RANGE) -> Request:
+    return Request(user_id=user, prompt=[rng.randint(1, 63) for _ in range(rng.randint(*prompt))],
+                   max_tokens=rng.randint(*max_tokens), request_id=f"{user}{i}", submitted_at=t_s)
+
+
+def ab_burst(seed: int, *, spread: bool, with_a: bool = True, n_a: int = 100, n_b: int = 5) -> list[Request]:
+    """The seed's fairness test: ``n_a`` requests of user A and ``n_b`` of user B.
+
+    Args:
+        seed: the workload seed (the same seed gives the same B requests with or without A).
+        spread: arrivals uniform over one second; else all at offset 0.
+        with_a: include user A (False gives the "B alone" run).
+    """
+    rng = random.Random(seed)
+    out = []
+    for user, n in (("A", n_a), ("B", n_b)):
+        for i in range(n):
+            r = _req(rng, user, i, rng.uniform(0.0, 1.0) if spread else 0.0)
+            if with_a or user == "B":
+                out.append(r)
+    return out
+
+
+def flood(seed: int, *, n_flood: int = 10_000, others: Sequence[str] = ("B", "C"), rate_per_s: float = 2.0,
+          horizon_s: float | None = None) -> list[Request]:
+    """User A submits ``n_flood`` requests at once; ``others`` send small requests (Poisson)."""
+    rng = random.Random(seed)
+    out = [_req(rng, "A", i, 0.0) for i in range(n_flood)]
+    horizon = horizon_s if horizon_s is not None else n_flood * 0.04  # about A's backlog, seconds
+    for user in others:
+        t, i = 0.05, 0
+        while t < horizon:
+            out.append(_req(rng, user, i, t, prompt=(5, 120), max_tokens=(5, 40)))
+            i += 1
+            t += rng.expovariate(rate_per_s)
+    return out
+
+
+#: The overload scenario's users: (prompt range, max_tokens range).
+OVERLOAD_USERS = {"short": ((5, 40), (5, 20)), "longprompt": ((150, 199), (5, 20)),
+                  "longout": ((5, 40), (80, 99)), "mixed": (PROMPT_RANGE, MAX_TOKENS_RANGE)}
+
+
+def overload(seed: int, *, n_per_user: int = 400) -> list[Request]:
+    """Four users with different request shapes, each with ``n_per_user`` requests at offset 0."""
+    rng = random.Random(seed)
+    return [_req(rng, u, i, 0.0, p, m) for i in range(n_per_user) for u, (p, m) in OVERLOAD_USERS.items()]
+
+
+def returning(seed: int, *, n_backlog: int = 600, idle_until_s: float = 8.0, n_return: int = 200) -> list[Request]:
+    """A and C backlogged throughout; B sends 20 requests at 0, idles, returns at ``idle_until_s``."""
+    rng = random.Random(seed)
+    out = [_req(rng, u, i, 0.0) for i in range(n_backlog) for u in ("A", "C")]
+    out += [_req(rng, "B", i, 0.0) for i in range(20)]
+    out += [_req(rng, "B", 20 + i, idle_until_s) for i in range(n_return)]
+    return out
+
+
+# ---------------------------------------------------------------- recording service
+
+
+class RecordingScheduler(Scheduler):
+    """A ``Scheduler`` that records, after every tick, each user's cumulative service and
+    whether it is backlogged (has a waiting request): what the fairness figures need.
+
+    Service is counted as the VTC counter charges it: w_p per prompt token processed for the
+    first time, w_q per output token, divided by the user's weight (``weights``).
+    """
+
+    def __init__(self, *args, weights: dict[str, int] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rec_weights = weights or {}
+        self.service: dict[str, float] = {}
+        self.waiting: dict[str, int] = {}
+        self.trace: list[tuple[float, dict[str, float], frozenset[str]]] = []
+
+    def submit(self, request: Request) -> None:
+        super().submit(request)
+        self.waiting[request.user_id] = self.waiting.get(request.user_id, 0) + 1
+
+    def update_from_output(self, plan, tokens, *, iteration_start_s=None):
+        before = [(s.seq, s.seq.num_prompt_tokens_served, len(s.seq.req.generated)) for s in plan.batch]
+        for q in plan.preempted:
+            self.waiting[q.user_id] += 1
+        for s in plan.batch:
+            if s.admitted:
+                self.waiting[s.seq.user_id] -= 1
+        out = super().update_from_output(plan, tokens, iteration_start_s=iteration_start_s)
+        for seq, served, gen in before:
+            units = fr.service_units(seq.num_prompt_tokens_served - served, len(seq.req.generated) - gen,
+                                     fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+            self.service[seq.user_id] = self.service.get(seq.user_id, 0.0) + units / self.rec_weights.get(
+                seq.user_id, 1)
+        self.trace.append((self.clock(), dict(self.service), frozenset(u for u, n in self.waiting.items() if n > 0)))
+        return out
+
+
+def max_service_gap(trace: list[tuple[float, dict[str, float], frozenset[str]]]) -> float:
+    """Largest |service_f(t1, t2) - service_g(t1, t2)| over intervals where f and g are both backlogged.
+
+    Source: the VTC paper's fairness measure (service difference of backlogged clients).
+    """
+    users = sorted({u for _, _, b in trace for u in b})
+    worst = 0.0
+    for i, f in enumerate(users):
+        for g in users[i + 1:]:
+            lo = hi = None
+            prev = None
+            for _, svc, backlogged in trace:
+                d = svc.get(f, 0.0) - svc.get(g, 0.0)
+                if f in backlogged and g in backlogged:
+                    if lo is None:
+                        lo = hi = prev if prev is not None else d  # the interval starts at the last tick boundary
+                    lo, hi = min(lo, d), max(hi, d)
+                    worst = max(worst, hi - lo)
+                else:
+                    lo = hi = None
+                prev = d
+    return worst
+
+
+def jain_while_all_backlogged(trace, users: Sequence[str]) -> float | None:
+    """Jain's index of the users' service over the ticks in which all of them were backlogged."""
+    acc = {u: 0.0 for u in users}
+    prev: dict[str, float] | None = None
+    n = 0
+    for _, svc, backlogged in trace:
+        if prev is not None and all(u in backlogged for u in users):
+            for u in users:
+                acc[u] += svc.get(u, 0.0) - prev.get(u, 0.0)
+            n += 1
+        prev = svc
+    return jain_index(acc.values()) if n else None
+
+
+# ---------------------------------------------------------------- policies and runs
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named scheduler configuration."""
+
+    name: str
+    kwargs: Callable[[], dict] = field(default=dict)
+
+
+CONTENDERS = (
+    Contender("VTC+isolation", lambda: {}),  # the default Scheduler()
+    Contender("VTC", lambda: {"isolation": False}),
+    Contender("FCFS", lambda: {"policy": FCFSPolicy()}),
+    Contender("RR", lambda: {"policy": RoundRobinPolicy()}),
+)
+
+
+def run(requests: list[Request], contender: Contender, *, weights: dict[str, int] | None = None,
+        **kw) -> simulate.RunResult:
+    """Replay ``requests`` on the virtual clock (seeded tokens) through a recording scheduler."""
+    kwargs = contender.kwargs()
+    if weights and contender.name.startswith("VTC"):
+        kwargs["policy"] = VTCPolicy(weights=weights)
+    return simulate.run_workload(requests, make_scheduler=lambda **k: RecordingScheduler(weights=weights, **k),
+                                 record_itl=False, **kwargs, **kw)
+
+
+def median_ttft(finished: Sequence[Request], user: str) -> float:
+    """Median ``started_at - submitted_at`` of the user's finished requests, seconds."""
+    return statistics.median(r.started_at - r.submitted_at for r in finished if r.user_id == user)
+
+
+def user_throughput(res: simulate.RunResult, user: str) -> float:
+    """The user's output tokens per second of clock time, from the first submit to its last completion."""
+    mine = [r for r in res.finished if r.user_id == user]
+    t0 = min(r.submitted_at for r in res.finished)
+    return sum(len(r.generated) for r in mine) / (max(r.completed_at for r in mine) - t0)
+
+
+def ab_row(contender: Contender, seeds: Sequence[int], spread: bool, fcfs_thr: dict[int, float] | None) -> dict:
+    """B/alone TTFT ratios and A's throughput for one contender over seeds."""
+    ratios, thr_rel, pre, iso = [], [], 0, 0
+    for seed in seeds:
+        res = run(ab_burst(seed, spread=spread), contender)
+        alone = run(ab_burst(seed, spread=spread, with_a=False), contender)
+        ratios.append(median_ttft(res.finished, "B") / median_ttft(alone.finished, "B"))
+        thr = user_throughput(res, "A")
+        if fcfs_thr is not None:
+            thr_rel.append(thr / fcfs_thr[seed])
+        m = res.scheduler.metrics()
+        pre += m["preemptions"]
+        iso += res.scheduler.isolation.isolated_ticks if res.scheduler.isolation else 0
+    return {"ratio_med": statistics.median(ratios), "ratio_max": max(ratios),
+            "thr_vs_fcfs": statistics.mean(thr_rel) if thr_rel else None, "preemptions": pre / len(seeds),
+            "isolated": iso / len(seeds)}
+
+
+def fcfs_a_throughput(seeds: Sequence[int], spread: bool) -> dict[int, float]:
+    """A's throughput under FCFS per seed (the reference of the ``A thr/FCFS`` column)."""
+    return {s: user_throughput(run(ab_burst(s, spread=spread), CONTENDERS[2]), "A") for s in seeds}
+
+
+def run_realtime(requests: list[Request], make: Callable[[], Scheduler]) -> list[Request]:
+    """Replay on the real stub (``inference_stub.forward`` sleeps), submitting between ticks."""
+    s = make()
+    pending = sorted(requests, key=lambda r: r.submitted_at)
+    t0 = time.time()
+    i, done = 0, []
+    while i < len(pending) or s.has_active():
+        now = time.time()
+        while i < len(pending) and t0 + pending[i].submitted_at <= now:
+            s.submit(pending[i])
+            i += 1
+        if s.has_active():
+            done += s.tick()
+        elif i < len(pending):
+            time.sleep(max(0.0, t0 + pending[i].submitted_at - time.time()))
+    return done
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the workloads and print the tables; returns the exit status."""
+    p = argparse.ArgumentParser(prog="bench_fairness", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=10, help="A/B burst seeds (default 10)")
+    p.add_argument("--flood", type=int, default=10_000, help="requests of the flooding user (default 10000)")
+    p.add_argument("--quick", action="store_true", help="small sizes: 2 seeds, a 1000-request flood")
+    p.add_argument("--no-realtime", action="store_true", help="skip the real-time stub runs")
+    p.add_argument("--realtime-seeds", type=int, default=3, help="seeds of the real-time A/B burst (default 3)")
+    p.add_argument("--overhead", action="store_true", help="only the per-tick CPU time of the policies")
+    a = p.parse_args(argv)
+    if a.overhead:
+        print("== scheduler CPU time per tick outside forward (null backend, 4 users, best of 5 x 100 ticks) ==")
+        print(f"{'policy':14} {'16 run/100 wait':>15} {'256/100':>8} {'256/100000':>10}")
+        for c in (CONTENDERS[0], CONTENDERS[2], CONTENDERS[3]):
+            cells = [tick_cpu_us(c, r, w) for r, w in ((16, 100), (256, 100), (256, 100_000))]
+            print(f"{c.name:14} {cells[0]:13.0f}us {cells[1]:6.0f}us {cells[2]:8.0f}us")
+        return 0
+    seeds = range(2 if a.quick else a.seeds)
+    n_flood = 1000 if a.quick else a.flood
+    scale = 4 if a.quick else 1
+    t_start = time.perf_counter()
+
+    print("== A/B burst (virtual clock): 100 requests of A, 5 of B; B's median TTFT with A / B alone ==")
+    print(f"   seeds 0..{len(seeds) - 1}; 'A thr/FCFS' = A's output tokens/s over FCFS's on the same seed")
+    print(f"{'workload':12} {'policy':14} {'B/alone med':>11} {'B/alone max':>11} {'A thr/FCFS':>10} "
+          f"{'preempt':>7} {'isolated':>8}")
+    for spread in (False, True):
+        ref = fcfs_a_throughput(seeds, spread)
+        for c in CONTENDERS:
+            r = ab_row(c, seeds, spread, ref)
+            print(f"{'ab-spread' if spread else 'ab-at-once':12} {c.name:14} {r['ratio_med']:11.2f} "
+                  f"{r['ratio_max']:11.2f} {_f(r['thr_vs_fcfs'], '{:.3f}'):>10} {r['preemptions']:7.1f} "
+                  f"{r['isolated']:8.1f}")
+
+    bound = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, PROMPT_RANGE[1], fr.OUTPUT_PRICE, MAX_TOKENS_RANGE[1])
+    print(f"\n== overload: 4 users x {400 // scale} requests at once (short / long prompt / long output / mixed) ==")
+    print(f"   VTC paper's gap bound 2*max(w_p*L_in, w_q*M) = 2*max(1*{PROMPT_RANGE[1]}, 2*{MAX_TOKENS_RANGE[1]})"
+          f" = {bound} weighted tokens")
+    print(f"   (with M = the tokens the KV cache holds, {256 * 16}, the bound is "
+          f"{fr.vtc_service_gap_bound(fr.PROMPT_PRICE, PROMPT_RANGE[1], fr.OUTPUT_PRICE, 256 * 16)})")
+    print(f"{'policy':14} {'Jain (backlogged)':>17} {'max gap':>8} {'gap/bound':>9} {'thr tok/s':>9} {'preempt':>7}")
+    for c in CONTENDERS:
+        res = run(overload(0, n_per_user=400 // scale), c)
+        tr = res.scheduler.trace
+        j = jain_while_all_backlogged(tr, list(OVERLOAD_USERS))
+        g = max_service_gap(tr)
+        m = res.scheduler.metrics()
+        print(f"{c.name:14} {_f(j, '{:.3f}'):>17} {g:8.0f} {g / bound:9.2f} "
+              f"{m['throughput_tokens_per_sec']:9.0f} {m['preemptions']:7d}")
+
+    print("\n== weighted VTC: the overload workload with weights short=2, others 1 ==")
+    w = {"short": 2}
+    res = run(overload(0, n_per_user=400 // scale), CONTENDERS[0], weights=w)
+    tr = res.scheduler.trace
+    acc = {u: 0.0 for u in OVERLOAD_USERS}
+    prev = None
+    for _, svc, backlogged in tr:
+        if prev is not None and all(u in backlogged for u in OVERLOAD_USERS):
+            for u in OVERLOAD_USERS:
+                acc[u] += (svc.get(u, 0.0) - prev.get(u, 0.0)) * w.get(u, 1)
+        prev = svc
+    others = statistics.mean(acc[u] for u in OVERLOAD_USERS if u != "short")
+    print(f"   raw service while all backlogged: {', '.join(f'{u}={v:.0f}' for u, v in acc.items())}; "
+          f"short / mean(others) = {acc['short'] / others:.2f} (weight ratio 2)")
+
+    print(f"\n== flood: A submits {n_flood} requests at once; B and C send small requests (Poisson 2/s each) ==")
+    print(f"{'policy':14} {'B+C TTFT p50':>12} {'p99':>8} {'max':>8} {'max wait ticks':>14} {'A thr tok/s':>11} "
+          f"{'all tok/s':>9} {'isolated':>8}")
+    flood_reqs = flood(0, n_flood=n_flood)
+    for c in CONTENDERS[:3] if not a.quick else CONTENDERS[:1] + CONTENDERS[2:3]:
+        res = run([Request(user_id=r.user_id, prompt=r.prompt, max_tokens=r.max_tokens, request_id=r.request_id,
+                           submitted_at=r.submitted_at) for r in flood_reqs], c)
+        t = sorted(r.started_at - r.submitted_at for r in res.finished if r.user_id != "A")
+        p99 = t[min(len(t) - 1, int(0.99 * len(t)))]
+        ticks = max_wait_ticks(res, ("B", "C"))
+        iso = res.scheduler.isolation.isolated_ticks if res.scheduler.isolation else 0
+        print(f"{c.name:14} {statistics.median(t) * 1e3:10.1f}ms {p99 * 1e3:6.1f}ms {t[-1] * 1e3:6.1f}ms "
+              f"{ticks:14d} {user_throughput(res, 'A'):11.0f} "
+              f"{res.scheduler.metrics()['throughput_tokens_per_sec']:9.0f} {iso:8d}")
+    k = res.scheduler.isolation.max_sit_out_ticks if res.scheduler.isolation else 8
+    work = -(-PROMPT_RANGE[1] // 64) + MAX_TOKENS_RANGE[1]
+    print(f"   derived bound at the front of the order: aging_ticks + (K+1)*(chunks+max_tokens) + 1 = "
+          f"{fr.admission_wait_bound(32, k, work)} ticks (aging 32, K={k}, work {work})")
+
+    print("\n== returning user: A and C backlogged; B idles, then returns with 200 requests at t = 8 s ==")
+    print(f"{'policy':14} {'B share after return':>20} {'fair':>5}")
+    series = None
+    for c in CONTENDERS:
+        res = run(returning(0, n_backlog=600 // scale, n_return=200 // scale), c)
+        print(f"{c.name:14} {share_after(res.scheduler.trace, 'B', 8.0, window_s=3.0):20.3f} {1 / 3:5.3f}")
+        if series is None:
+            series = service_per_window(res.scheduler.trace, ("A", "B", "C"), 6.0, 12.0, 1.0)
+    print("   per-user service over time, VTC+isolation (weighted tokens per 1 s window):")
+    print("      " + " ".join(f"{'t=%.0fs' % t:>8}" for t, _ in series))
+    for u in ("A", "B", "C"):
+        print(f"   {u}: " + " ".join(f"{w[u]:8.0f}" for _, w in series))
+
+    if not a.no_realtime:
+        print("\n== A/B burst on the real-time stub (inference_stub.forward sleeps; Scheduler() defaults) ==")
+        print(f"{'workload':12} {'policy':14} {'seed':>4} {'B with A':>9} {'B alone':>9} {'ratio':>6}")
+        for spread in (False, True):
+            for c in (CONTENDERS[0], CONTENDERS[2]):
+                for seed in range(1 if a.quick else a.realtime_seeds):
+                    kw = c.kwargs()
+                    with_a = median_ttft(run_realtime(ab_burst(seed, spread=spread), lambda: Scheduler(**kw)), "B")
+                    kw = c.kwargs()
+                    alone = median_ttft(run_realtime(ab_burst(seed, spread=spread, with_a=False),
+                                                     lambda: Scheduler(**kw)), "B")
+                    print(f"{'ab-spread' if spread else 'ab-at-once':12} {c.name:14} {seed:4d} "
+                          f"{with_a * 1e3:7.1f}ms {alone * 1e3:7.1f}ms {with_a / alone:6.2f}")
+    print(f"\n(bench took {time.perf_counter() - t_start:.0f} s of wall time)")
+    return 0
+
+
+def tick_cpu_us(contender: Contender, n_running: int, n_waiting: int, users: int = 4) -> float:
+    """CPU microseconds per ``tick()`` with a null backend, ``n_running`` decoding and
+    ``n_waiting`` waiting (``time.process_time``, best of 5 runs of 100 ticks)."""
+    s = Scheduler(backend=lambda batch: [1] * len(batch), clock=lambda: 0.0, kv_cap_blocks=100_000,
+                  record_itl=False, max_running=n_running, **contender.kwargs())
+    for i in range(n_running + n_waiting):
+        s.submit(Request(user_id=f"u{i % users}", prompt=[1] * 8, max_tokens=10 ** 6, request_id=f"r{i}"))
+    for _ in range(20):
+        s.tick()
+    best = float("inf")
+    for _ in range(5):
+        t = time.process_time()
+        for _ in range(100):
+            s.tick()
+        best = min(best, (time.process_time() - t) / 100 * 1e6)
+    return best
+
+
+def max_wait_ticks(res: simulate.RunResult, users: Sequence[str]) -> int:
+    """Most ticks a request of ``users`` waited from submit to its first token (from the trace)."""
+    times = [t for t, _, _ in res.scheduler.trace]
+    from bisect import bisect_left, bisect_right  # noqa: PLC0415
+    worst = 0
+    for r in res.finished:
+        if r.user_id in users:
+            worst = max(worst, bisect_right(times, r.started_at) - bisect_left(times, r.submitted_at))
+    return worst
+
+
+def service_per_window(trace, users: Sequence[str], t0_s: float, t1_s: float, step_s: float):
+    """``[(window start, {user: service in the window})]`` over ``[t0_s, t1_s)`` (clock seconds)."""
+    out = []
+    t = t0_s
+    while t < t1_s - 1e-9:
+        a = next((svc for tt, svc, _ in trace if tt >= t), trace[-1][1])
+        b = next((svc for tt, svc, _ in trace if tt >= t + step_s), trace[-1][1])
+        out.append((t, {u: b.get(u, 0.0) - a.get(u, 0.0) for u in users}))
+        t += step_s
+    return out
+
+
+def share_after(trace, user: str, t_s: float, *, window_s: float) -> float:
+    """The user's fraction of all service delivered in ``[t_s, t_s + window_s]`` (clock seconds)."""
+    start = next((svc for t, svc, _ in trace if t >= t_s), None)
+    end = next((svc for t, svc, _ in trace if t >= t_s + window_s), trace[-1][1])
+    if start is None:
+        return 0.0
+    total = sum(end.values()) - sum(start.values())
+    return (end.get(user, 0.0) - start.get(user, 0.0)) / total if total else 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""Time-to-first-token isolation for under-served users, decided by a learned latency model.
+
+A newcomer's prefill inside a batch of 30 decodes runs in 30-request iterations: on the stub
+(5 ms + 1 ms per request) that is 5-6x slower than alone, and VTC admission order alone cannot
+fix it. ``Isolation.refine`` post-processes each iteration's plan:
+
+1. *Protection* (with hysteresis, by share of the batch): a user with a request prefilling
+   toward its first token is protected when its demand (resident + waiting requests) is at
+   most half its weighted fair share of the resident requests, and stays protected until its
+   demand reaches its fair share (``spec.fairness_rules.protected_next``).
+2. *Room*: protected users' requests that do not fit first take back the blocks of this
+   iteration's admissions of over-served users; failing that, requests of the over-served
+   users are preempted by recompute (the policy's victim rule, never pinned ones, never one
+   admitted this tick) and the first of them holds the reservation for the next iteration.
+   No request is admitted in an iteration that preempted.
+3. *Isolation*: while a protected request is prefilling toward its first token, every other
+   request sits out (keeping its KV) when the latency model predicts the iteration at least
+   ``min_speedup`` times faster that way, for at most ``max_sit_out_ticks`` consecutive
+   iterations (``sit_out_allowed`` / ``next_streak``).
+
+The latency model is fitted online from the durations of the scheduler's own ``forward``
+calls on its clock, so on a real GPU, where batched tokens rather than requests drive
+latency, the same rule stops isolating when it would not pay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from spec import fairness_rules as fr
+from spec import rules
+from spec.lifecycle import WAITING_STATES
+
+#: Default bound on consecutive iterations an over-served request may sit out.
+MAX_SIT_OUT_TICKS = 8
+#: Default: isolate only when the isolated iteration is predicted this many times faster.
+MIN_SPEEDUP = Fraction(3, 2)
+
+
+class LatencyModel:
+    """Iteration time = a + b * requests + c * batched tokens, least squares fitted online.
+
+    Each observation is one ``forward`` call: requests in the batch, tokens processed
+    (prefill chunks + decodes) and its duration in seconds on the scheduler's clock. Old
+    observations decay by ``forgetting`` per observation; a small ridge keeps the solve defined.
+
+    The fit is used once it is *identified*: at least ``min_observations`` observations, the
+    batch size and the batched tokens each varied (weighted standard deviation >= 1) and not
+    in lockstep (|correlation| <= 0.99; decode-only batches have tokens == requests). Until
+    then ``predict_s`` uses the prior, cost proportional to requests: the isolation it then
+    chooses is itself the observation (a small batch) that identifies the fit.
+
+    Args:
+        forgetting: weight kept by past observations per new one, in (0, 1].
+        min_observations: observations needed before the fit may be used.
+        prior_per_request_s: the prior's cost of one request, seconds.
+        ridge: relative ridge on the request and token coefficients.
+
+    Raises:
+        ValueError: a parameter is out of range.
+    """
+
+    def __init__(self, *, forgetting: float = 0.999, min_observations: int = 8,
+                 prior_per_request_s: float = 1e-3, ridge: float = 1e-6) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must lie in (0, 1], got {forgetting}")
+        if min_observations < 1 or prior_per_request_s <= 0 or ridge < 0:
+            raise ValueError("min_observations >= 1, prior_per_request_s > 0 and ridge >= 0 are required")
+        self.forgetting = forgetting
+        self.min_observations = min_observations
+        self.prior_per_request_s = prior_per_request_s
+        self.ridge = ridge
+        self.observations = 0
+        self._s = [0.0] * 6  # sum x x^T, upper triangle of (1, n, t): 11 1n 1t nn nt tt
+        self._v = [0.0] * 3  # sum x y
+        self._coef: tuple[float, float, float] | None = None
+
+    def observe(self, n_requests: int, n_tokens: int, duration_s: float) -> None:
+        """Record one iteration of ``n_requests`` requests and ``n_tokens`` tokens taking ``duration_s``."""
+        if n_requests <= 0 or not duration_s >= 0.0:
+            return
+        f = self.forgetting
+        s, v = self._s, self._v
+        n, t, y = float(n_requests), float(n_tokens), float(duration_s)
+        s[0] = f * s[0] + 1.0
+        s[1] = f * s[1] + n
+        s[2] = f * s[2] + t
+        s[3] = f * s[3] + n * n
+        s[4] = f * s[4] + n * t
+        s[5] = f * s[5] + t * t
+        v[0] = f * v[0] + y
+        v[1] = f * v[1] + n * y
+        v[2] = f * v[2] + t * y
+        self.observations += 1
+        self._coef = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the fit is identified (see the class docstring) and used by ``predict_s``."""
+        if self.observations < self.min_observations:
+            return False
+        s = self._s
+        mn, mt = s[1] / s[0], s[2] / s[0]
+        var_n, var_t = s[3] / s[0] - mn * mn, s[5] / s[0] - mt * mt
+        if var_n < 1.0 or var_t < 1.0:
+            return False
+        cov = s[4] / s[0] - mn * mt
+        return cov * cov <= 0.98 * var_n * var_t
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(a seconds, b seconds per request, c seconds per token)``, each clamped at >= 0.
+
+        Raises:
+            RuntimeError: before ``min_observations`` observations.
+        """
+        if not self.ready:
+            raise RuntimeError(f"{self.observations} observations, {self.min_observations} needed")
+        if self._coef is None:
+            s, v = self._s, self._v
+            m = np.array([[s[0], s[1], s[2]], [s[1], s[3], s[4]], [s[2], s[4], s[5]]])
+            m[1, 1] *= 1.0 + self.ridge
+            m[2, 2] *= 1.0 + self.ridge
+            sol = np.linalg.lstsq(m, np.array(v), rcond=None)[0]
+            self._coef = (max(0.0, float(sol[0])), max(0.0, float(sol[1])), max(0.0, float(sol[2])))
+        return self._coef
+
+    def predict_s(self, n_requests: int, n_tokens: int) -> float:
+        """Predicted duration of an iteration, seconds (0 for an empty batch)."""
+        if n_requests <= 0:
+            return 0.0
+        if not self.ready:
+            return self.prior_per_request_s * n_requests
+        a, b, c = self.coefficients()
+        return a + b * n_requests + c * n_tokens
+
+    def predict_us(self, n_requests: int, n_tokens: int) -> int:
+        """``predict_s`` in integer microseconds (the unit of ``isolation_pays``)."""
+        return int(round(self.predict_s(n_requests, n_tokens) * 1e6))
+
+
+@dataclass(slots=True, eq=False)
+class PlanDraft:
+    """The scheduler's plan while it is being built (``Scheduler.schedule``); mutable.
+
+    Attributes:
+        live: resident requests not preempted, admission order.
+        order: resident requests scheduled this iteration.
+        admitted: waiting requests admitted this iteration.
+        grants: request -> ``[num_new_tokens, new_blocks]`` for ``order`` and ``admitted``.
+        preempted: requests preempted by recompute before this iteration.
+        free_blocks: free blocks once the plan is applied.
+        budget_tokens: token budget left.
+        blocked: waiting candidates that did not fit, in the order tried.
+        stop: why admission stopped.
+        pending: scheduled requests with no output token yet (prefilling toward the first token).
+        aging_due: ``blocked[0]`` reaches the aging bound with this iteration: room is made
+            for no one else (its reservation comes first).
+        sat_out: resident requests that sit out this iteration (output).
+        reserve: a request that gets the reservation after this iteration (output).
+        isolated: whether over-served requests sit out (output).
+        protected_updates: user -> protected, the hysteresis states to commit (output).
+    """
+
+    live: list[Any]
+    order: list[Any]
+    admitted: list[Any]
+    grants: dict[Any, list[int]]
+    preempted: list[Any]
+    free_blocks: int
+    budget_tokens: int
+    blocked: list[Any]
+    stop: str
+    pending: list[Any]
+    aging_due: bool = False
+    sat_out: list[Any] = field(default_factory=list)
+    reserve: Any = None
+    isolated: bool = False
+    protected_updates: dict[str, bool] = field(default_factory=dict)
+
+    def drop(self, seqs: list[Any]) -> None:
+        """Take ``seqs`` out of this iteration (sit out / defer): their grants go back."""
+        gone = set(seqs)
+        for q in seqs:
+            n, blocks = self.grants.pop(q)
+            self.free_blocks += blocks
+            self.budget_tokens += n
+        self.order = [q for q in self.order if q not in gone]
+        self.admitted = [q for q in self.admitted if q not in gone]
+
+
+class Isolation:
+    """TTFT protection for under-served users: its parameters, its state and its rule.
+
+    Args:
+        max_sit_out_ticks: K, the most consecutive iterations a request sits out (>= 1).
+        min_speedup: isolate only when the model predicts the iteration this many times faster.
+        enter_share: a user is protected at or below this fraction of its fair share.
+        model: the ``LatencyModel`` (a fresh one by default).
+
+    Raises:
+        ValueError: a parameter is out of range.
+
+    Invariant: ``0 <= streak <= max_sit_out_ticks`` (``sit_out_allowed`` guards every isolated
+    iteration and ``next_streak`` resets on every other one).
+    """
+
+    def __init__(self, *, max_sit_out_ticks: int = MAX_SIT_OUT_TICKS, min_speedup: float | Fraction = MIN_SPEEDUP,
+                 enter_share: float | Fraction = Fraction(1, 2), model: LatencyModel | None = None) -> None:
+        if isinstance(max_sit_out_ticks, bool) or not isinstance(max_sit_out_ticks, int) or max_sit_out_ticks < 1:
+            raise ValueError(f"max_sit_out_ticks must be an int >= 1, got {max_sit_out_ticks!r}")
+        speed = Fraction(min_speedup).limit_denominator(1000)
+        share = Fraction(enter_share).limit_denominator(1000)
+        if speed < 1 or not 0 < share < 1:
+            raise ValueError(f"min_speedup must be >= 1 and enter_share in (0, 1), got {min_speedup}, {enter_share}")
+        self.max_sit_out_ticks = max_sit_out_ticks
+        self.min_speedup = speed
+        self.enter_share = share
+        self.model = model if model is not None else LatencyModel()
+        self.peek_candidates = 16  # waiting candidates looked at when a growth preemption stops admission
+        self.streak = 0
+        self.protected: dict[str, bool] = {}
+        self.isolated_ticks = 0
+
+    def refine(self, d: PlanDraft, sched: Any) -> None:
+        """Apply protection, room-making and isolation to a draft plan (no state changes).
+
+        Args:
+            d: the draft, changed in place.
+            sched: the ``Scheduler`` (read only): resident counts per user, weights, block
+                arithmetic, the policy's victim choice.
+        """
+        if not d.pending and not d.blocked and d.stop != "preempted":
+            return
+        weight_of = sched._weight_of
+        res = sched._resident_by_user
+        delta: dict[str, int] = {}
+        for q in d.preempted:
+            delta[q.user_id] = delta.get(q.user_id, 0) - 1
+        for q in d.admitted:
+            delta[q.user_id] = delta.get(q.user_id, 0) + 1
+        total_w = sched._resident_weight
+        for u, dv in delta.items():
+            before = res.get(u, 0)
+            if before == 0 and before + dv > 0:
+                total_w += weight_of(u)
+            elif before > 0 and before + dv == 0:
+                total_w -= weight_of(u)
+        total = len(d.live) + len(d.admitted)
+        num, den = self.enter_share.numerator, self.enter_share.denominator
+
+        def count(u: str) -> int:
+            return res.get(u, 0) + delta.get(u, 0)
+
+        heads = d.blocked
+        r = sched._reserved
+        if r is not None and r.state not in WAITING_STATES:
+            r = None
+        if d.stop == "preempted" and not heads and len(sched.policy):
+            # A growth preemption stopped admission: the next candidates still decide isolation.
+            heads = [r] if r is not None else self._peek(d, sched, count, total, total_w)
+        elif len(heads) == 1 and heads[0] is not r and d.stop == "kv":
+            # Admission stopped at a request that does not fit (no backfill past it): a light
+            # user's request further back still gets room.
+            heads = heads + [q for q in self._peek(d, sched, count, total, total_w) if q is not heads[0]]
+        if not d.pending and not heads:
+            return
+        waiting = sched._waiting_by_user
+        updates = d.protected_updates
+        for q in d.pending:
+            u = q.user_id
+            if u not in updates:
+                demand = res.get(u, 0) + waiting.get(u, 0)  # admissions and preemptions move, not change, it
+                updates[u] = fr.protected_next(self.protected.get(u, False), demand, weight_of(u), total, total_w,
+                                               num, den)
+        for q in heads:  # judged as if admitted
+            u = q.user_id
+            if u not in updates:
+                c, w = count(u), weight_of(u)
+                demand = res.get(u, 0) + waiting.get(u, 0)
+                updates[u] = fr.protected_next(self.protected.get(u, False), demand, w, total + 1,
+                                               total_w + (w if c == 0 else 0), num, den)
+        protected = {u for u, on in updates.items() if on}
+        if not protected:
+            return
+        # Shares as if the protected users' waiting heads joined the batch.
+        joining = {q.user_id for q in heads if q.user_id in protected and count(q.user_id) == 0}
+        total_j = total + len(joining)
+        total_wj = total_w + sum(weight_of(u) for u in joining)
+        over = {u for u in set(res) | set(delta)
+                if count(u) > 0 and fr.over_served(count(u), weight_of(u), total_j, total_wj)}
+        if not over:
+            return
+        targets = [q for q in heads if q.user_id in protected]
+        if d.aging_due:  # the first blocked request's reservation comes first: room for it only
+            targets = targets[:1] if targets and targets[0] is heads[0] else []
+        if targets:
+            if d.stop != "preempted":
+                self._make_room(d, sched, targets, protected, over)
+            elif not d.blocked:
+                d.reserve = targets[0]  # admitted first next iteration; this one is isolated for it
+        keep = {q for q in d.pending if q.user_id in protected and q in d.grants}
+        if d.reserve is None and not keep:
+            return
+        if not fr.sit_out_allowed(self.streak, self.max_sit_out_ticks):
+            return
+        cut = [q for q in d.order if q not in keep] + [q for q in d.admitted if q not in keep]
+        if not cut:
+            return
+        n_full = len(d.order) + len(d.admitted)
+        tok_full = sum(g[0] for g in d.grants.values())
+        tok_cut = sum(d.grants[q][0] for q in cut)
+        full_us = self.model.predict_us(n_full, tok_full)
+        iso_us = self.model.predict_us(n_full - len(cut), tok_full - tok_cut)
+        if not fr.isolation_pays(full_us, iso_us, self.min_speedup.numerator, self.min_speedup.denominator):
+            return
+        d.sat_out = [q for q in d.order if q not in keep]
+        d.drop(cut)
+        d.isolated = True
+
+    def _peek(self, d: PlanDraft, sched: Any, count: Any, total: int, total_w: int) -> list[Any]:
+        """Waiting candidates not admitted this iteration, first ``peek_candidates`` in the
+        policy's order; none when no waiting user is below its fair share as if it joined the
+        batch (a protected user always is: ``protected_next`` leaves at the fair share). The
+        check is skipped with more than 32 waiting users."""
+        waiting = sched._waiting_by_user
+        if len(waiting) <= 32:
+            res, weight_of = sched._resident_by_user, sched._weight_of
+            if not any((res.get(u, 0) + n) * (total_w + (weight_of(u) if count(u) == 0 else 0))
+                       < weight_of(u) * (total + 1) for u, n in waiting.items()):
+                return []
+        out = []
+        for q in sched.policy.admission_order():
+            if q not in d.grants:
+                out.append(q)
+                if len(out) >= self.peek_candidates:
+                    break
+        return out
+
+    def _make_room(self, d: PlanDraft, sched: Any, targets: list[Any], protected: set[str], over: set[str]) -> None:
+        """Admit ``targets`` (protected users' requests that did not fit, in admission order).
+
+        First by deferring this iteration's admissions of over-served users; if that does not
+        fit them all, by preempting over-served requests (most-served user first, latest
+        admitted first, never pinned ones, never one admitted this tick) for as many of them as
+        possible, together with the protected requests admitted this iteration: then this
+        iteration admits nothing, and the first of them holds the reservation for the next.
+        """
+        deferred = [q for q in d.admitted if q.user_id in over]
+        free = d.free_blocks + sum(d.grants[q][1] for q in deferred)
+        budget = d.budget_tokens + sum(d.grants[q][0] for q in deferred)
+        slots = sched.max_running - (len(d.live) + len(d.admitted) - len(deferred))
+        fits, left = [], []
+        for q in targets:
+            need = sched._admission_blocks(q)
+            if rules.can_allocate(free, need) and budget > 0 and slots > 0:
+                n = rules.chunk_tokens(q.num_tokens, 0, sched.prefill_chunk_tokens, budget)
+                fits.append((q, n, need))
+                free, budget, slots = free - need, budget - n, slots - 1
+            else:
+                left.append(q)
+        if left and self._preempt_for(d, sched, [q for q in d.admitted if q.user_id in protected] + targets, over):
+            return
+        if not fits:
+            return
+        d.drop(deferred)
+        for q, n, need in fits:
+            d.grants[q] = [n, need]
+            d.admitted.append(q)
+            d.pending.append(q)
+            d.free_blocks -= need
+            d.budget_tokens -= n
+            if q in d.blocked:
+                d.blocked.remove(q)
+
+    def _preempt_for(self, d: PlanDraft, sched: Any, wanted: list[Any], over: set[str]) -> bool:
+        """Preempt over-served requests so that the longest possible prefix of ``wanted`` fits
+        next iteration, which must reach past the requests admitted this one. Returns whether
+        it did: then nothing is admitted this iteration and ``wanted[0]`` holds the reservation."""
+        n_admitted = sum(1 for q in wanted if q in d.grants)
+        free = d.free_blocks + sum(d.grants[q][1] for q in d.admitted)  # a preempting tick admits nothing
+        needs = [sched._admission_blocks(q) for q in wanted]
+        cands = [q for q in d.live if q.user_id in over and not q.pinned]
+        victims: list[Any] = []
+        covered, total = 0, 0  # the longest prefix of `wanted` that fits, and its blocks
+        while True:
+            while covered < len(wanted) and rules.can_allocate(free, total + needs[covered]):
+                total += needs[covered]
+                covered += 1
+            if covered == len(wanted) or not cands:
+                break
+            v = sched.policy.choose_victim(cands)
+            cands.remove(v)
+            if fr.may_preempt(v.num_preemptions, sched.max_preemptions, v.admit_tick, sched.stats.ticks):
+                victims.append(v)
+                free += len(v.block_table) + (d.grants[v][1] if v in d.grants else 0)
+        if covered <= n_admitted or not victims:
+            return False  # no waiting target gains from preempting: they wait
+        while len(victims) > 1:  # the last victims may not have been needed for the prefix
+            v = victims[-1]
+            if not rules.can_allocate(free - len(v.block_table) - (d.grants[v][1] if v in d.grants else 0), total):
+                break
+            free -= len(v.block_table) + (d.grants[v][1] if v in d.grants else 0)
+            victims.pop()
+        d.drop(list(d.admitted) + [v for v in victims if v in d.grants])
+        gone = set(victims)
+        d.live = [q for q in d.live if q not in gone]
+        d.preempted.extend(victims)
+        d.free_blocks += sum(len(v.block_table) for v in victims)
+        d.stop = "preempted"
+        d.reserve = wanted[0]
+        return True
+
+    def commit(self, isolated: bool, protected_updates: dict[str, bool]) -> None:
+        """After the iteration ran: advance the sit-out streak and the hysteresis states."""
+        self.streak = fr.next_streak(self.streak, isolated)
+        if isolated:
+            self.isolated_ticks += 1
+        if protected_updates:
+            self.protected.update(protected_updates)

@@ -1,0 +1,506 @@
+"""z3 checks of the fairness rules: VTC counter gap (inductive, bounded), the lift, aging, the sit-out bound.
+
+A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers five
+checks, run with the others by ``python -m spec.verify`` (``--only vtc_counter_gap`` etc.).
+Every check evaluates the functions of ``spec.fairness_rules`` that ``policy.py``,
+``isolation.py`` and ``scheduler.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
+so a test can plant a bug in a rule (``monkeypatch.setattr(fr, "lifted_counter", ...)``) and see
+the check fail. What each check assumes and what it leaves out is ``docs/fairness.md``
+section 8.
+
+Units as in ``spec.fairness_rules``: counters in counter units (``COUNTER_SCALE`` per weighted
+token), service in weighted tokens, time in ticks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from spec import fairness_rules as fr
+from spec.logic import And, If, Implies, Min, Not, Or, Sum
+from spec.verify import Options, Outcome, StateCounterexample, _prove, _val, _z3, register
+
+#: ``(w_p, w_q)`` share weights of the two users in the counter-gap proof. Each divides
+#: ``COUNTER_SCALE`` (weights 1..16), so a charge has no rounding and the proof is exact.
+GAP_WEIGHTS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (1, 3), (16, 5))
+
+#: Limits of the workload in ``docs/fairness.md`` section 5, for the printed comparison.
+EXAMPLE_MAX_PROMPT_TOKENS = 199
+EXAMPLE_MAX_OUTPUT_TOKENS = 99
+
+#: The bounded no-starvation run: aging ``T``, sit-out cap ``K``, work ``L`` (iterations a
+#: resident request still needs), resident slots, cache blocks, tokens per block, extra ticks
+#: beyond the bound (uncounted ticks before the reservation).
+AGING_T, AGING_K, AGING_L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, AGING_EXTRA = 3, 2, 3, 3, 6, 2, 2
+
+#: Sit-out caps ``K`` of the bounded sit-out check (plus the symbolic inductive step).
+SIT_OUT_KS: tuple[int, ...] = (0, 1, 3, 8)
+
+
+def vtc_counter_gap_bound_units(max_resident_units: Any, weight_p: int, weight_q: int) -> Any:
+    """The derived counter-gap bound of two continuously backlogged users, counter units.
+
+    ``max_resident_units`` bounds the service (weighted tokens, not yet charged) that one
+    user's resident requests can still receive; the bound is
+    ``U_p + U_q = max_resident_units * SCALE / w_p + max_resident_units * SCALE / w_q``
+    (``docs/fairness.md`` section 5). Computed here, not with ``charged_counter``, so a bug
+    planted in the rule does not move the bound.
+    """
+    return max_resident_units * (fr.COUNTER_SCALE // weight_p) + max_resident_units * (fr.COUNTER_SCALE // weight_q)
+
+
+def max_resident_units(max_resident_requests: int, max_prompt_tokens: int, max_output_tokens: int) -> int:
+    """``N * (w_p * L_input + w_q * M)``: the most service one user's resident requests hold."""
+    return max_resident_requests * fr.service_units(max_prompt_tokens, max_output_tokens, fr.PROMPT_PRICE,
+                                                    fr.OUTPUT_PRICE)
+
+
+# ---------------------------------------------------------------- 1. the VTC counter gap
+
+
+class _User:
+    """One user of the gap proof: counter ``c``, committed service ``rho`` (weighted tokens the
+    resident requests can still be charged), this tick's advance ``a`` (counter units)."""
+
+    def __init__(self, tag: str, weight: int) -> None:
+        z3 = _z3()
+        self.tag, self.w = tag, weight
+        self.c, self.rho, self.a = z3.Ints(f"counter_{tag} committed_units_{tag} advance_{tag}")
+
+    def committed(self, c: Any = None, rho: Any = None) -> Any:
+        """``c + R``: the counter plus the charge still to come from resident requests."""
+        return (self.c if c is None else c) + (self.rho if rho is None else rho) * (fr.COUNTER_SCALE // self.w)
+
+
+def _gap_steps(p: _User, q: _User, cap: Any) -> list[tuple[str, list, list]]:
+    """The steps of the gap proof: ``(name, guard, [(variable, value after)])``."""
+    z3 = _z3()
+    steps = []
+    for who, other in ((p, q), (q, p)):
+        x_in, x_out = z3.Ints(f"admit_prompt_{who.tag} admit_output_{who.tag}")
+        units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+        local = who.c + who.a  # the admission order's local copy of the counter
+        guard = [x_in >= 0, x_out >= 0, who.rho + units <= cap,
+                 local <= other.c + other.a]  # VTC: the least (local) counter among backlogged users
+        after = [(who.a, fr.charged_counter(local, fr.PROMPT_PRICE * x_in, who.w) - who.c), (who.rho, who.rho + units)]
+        steps.append((f"admission of a request of {who.tag}", guard, after))
+    sp_in, sp_out, sq_in, sq_out = z3.Ints("served_prompt_p served_output_p served_prompt_q served_output_q")
+    up = fr.service_units(sp_in, sp_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+    uq = fr.service_units(sq_in, sq_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+    guard = [sp_in >= 0, sp_out >= 0, sq_in >= 0, sq_out >= 0, up <= p.rho, uq <= q.rho]
+    after = [(p.c, fr.charged_counter(p.c, up, p.w)), (p.rho, p.rho - up), (p.a, 0),
+             (q.c, fr.charged_counter(q.c, uq, q.w)), (q.rho, q.rho - uq), (q.a, 0)]
+    steps.append(("service of one iteration (charge both users, end of tick)", guard, after))
+    yp, yq = z3.Ints("preempted_units_p preempted_units_q")
+    steps.append(("preemption (a tick that preempts admits nothing)",
+                  [yp >= 0, yp <= p.rho, yq >= 0, yq <= q.rho],
+                  [(p.rho, p.rho - yp), (q.rho, q.rho - yq), (p.a, 0), (q.a, 0)]))
+    return steps
+
+
+def _gap_inv(p: _User, q: _User, cap: Any, g_pq: Any, g_qp: Any, sub: list | None = None) -> list[tuple[str, Any]]:
+    z3 = _z3()
+    sub = sub or []
+
+    def v(x: Any) -> Any:
+        return next((val for var, val in sub if z3.eq(var, x)), x)
+
+    inv = []
+    for u in (p, q):
+        inv += [(f"0 <= committed_{u.tag} <= cap", And(0 <= v(u.rho), v(u.rho) <= cap)),
+                (f"0 <= advance_{u.tag} <= R_{u.tag}",
+                 And(0 <= v(u.a), v(u.a) <= v(u.rho) * (fr.COUNTER_SCALE // u.w)))]
+    inv += [("J(p,q): c_p + R_p - c_q <= G", p.committed(v(p.c), v(p.rho)) - v(q.c) <= g_pq),
+            ("J(q,p): c_q + R_q - c_p <= G", q.committed(v(q.c), v(q.rho)) - v(p.c) <= g_qp)]
+    return inv
+
+
+def _gap_step_proof(weights: tuple[int, int], cap_of: Any, g_of: Any, timeout_s: float) -> tuple[str, Any]:
+    """Every step preserves the invariant; returns ``("proved", None)`` or the failing step's record."""
+    z3 = _z3()
+    p, q = _User("p", weights[0]), _User("q", weights[1])
+    cap = z3.Int("max_resident_units")
+    g_pq, g_qp = z3.Ints("G_pq G_qp")
+    base = [cap >= 0, cap_of(cap), g_of(g_pq, cap), g_of(g_qp, cap)]
+    pre = [g for _, g in _gap_inv(p, q, cap, g_pq, g_qp)]
+    for name, guard, after in _gap_steps(p, q, cap):
+        status, info = _prove([*base, *pre, *guard], _gap_inv(p, q, cap, g_pq, g_qp, after), timeout_s)
+        if status != "proved":
+            return status, (name, info, p, q, cap, g_pq, g_qp)
+    return "proved", None
+
+
+def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
+    """A third user ``n`` becomes backlogged beside backlogged ``p`` and ``q`` (equal weights):
+    after the lift, ``J(p, n)`` and ``J(q, n)`` hold; ``J(n, .)`` too when the lift raised ``n``."""
+    z3 = _z3()
+    cp, cq, cn, rp, rq, rn, cap, g = z3.Ints("counter_p counter_q counter_n R_p R_q R_n max_resident_units G")
+    unit = fr.COUNTER_SCALE
+    U = cap * unit
+    lifted = fr.lifted_counter(cn, Min(cp, cq), True)
+    pre = [cap >= 0, g >= 2 * U, *(And(0 <= r, r <= U) for r in (rp, rq, rn)),
+           cp + rp - cq <= g, cq + rq - cp <= g]
+    goals = [("J(p,n) after the lift", cp + rp - lifted <= g), ("J(q,n) after the lift", cq + rq - lifted <= g),
+             ("J(n,p), J(n,q) when the lift raised n",
+              Implies(cn <= Min(cp, cq), And(lifted + rn - cp <= g, lifted + rn - cq <= g)))]
+    status, info = _prove(pre, goals, timeout_s)
+    if status == "counterexample":
+        m, bad = info
+        return status, StateCounterexample("lift of a third user n beside backlogged p, q", bad, {
+            "counters p, q, n": (_val(m, cp), _val(m, cq), _val(m, cn)),
+            "R p, q, n": (_val(m, rp), _val(m, rq), _val(m, rn)),
+            "G": _val(m, g), "n after the lift": _val(m, lifted)})
+    return status, info
+
+
+@register("vtc_counter_gap",
+          "two continuously backlogged users p, q (weights w_p, w_q): J(p,q) = c_p + R_p - c_q <= G is "
+          "inductive for every G >= U_p + U_q, U_u = N*(w_p*L_in + w_q*M)*SCALE/w_u (R_u: charge still to come "
+          "from u's resident requests, <= U_u), under admission by least counter (with the tick's advance "
+          "prompt charges), charge per iteration (charged_counter, service_units), preemption; hence "
+          "c_p - c_q <= U_p + U_q (docs/fairness.md section 5); the lift of a newcomer keeps it")
+def check_vtc_counter_gap(opts: Options) -> Outcome:
+    """Inductive step per step kind, per weight pair in ``GAP_WEIGHTS``; symbolic service per step."""
+    bound = (f"unbounded (any counters, any service per iteration up to what is resident, any resident cap "
+             f"N*(w_p*L_in+w_q*M)); weight pairs {list(GAP_WEIGHTS)}")
+    for w in GAP_WEIGHTS:
+        status, info = _gap_step_proof(w, lambda cap: True,
+                                       lambda g, cap, w=w: g >= vtc_counter_gap_bound_units(cap, *w), opts.timeout_s)
+        if status == "counterexample":
+            name, (m, bad), p, q, cap, g_pq, g_qp = info
+            values = {"weights (p, q)": w, "max_resident_units": _val(m, cap),
+                      "G_pq, G_qp": (_val(m, g_pq), _val(m, g_qp))}
+            for u in (p, q):
+                values[f"user {u.tag}: counter, committed units, advance"] = (
+                    _val(m, u.c), _val(m, u.rho), _val(m, u.a))
+            values["step's choices"] = ", ".join(f"{d.name()}={m[d]}" for d in m.decls()
+                                                 if d.name().startswith(("admit_", "served_", "preempted_")))
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(name, bad, values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"weights {w}: {status} {info[0] if info else ''}")
+    status, info = _lift_establishes(opts.timeout_s)
+    if status == "counterexample":
+        return Outcome("counterexample", bound, counterexample=info)
+    if status != "proved":
+        return Outcome("unknown", bound, f"lift step: {status}")
+    # The paper's bound, 2*max(w_p*L_in, w_q*M) with M the longest output, as the invariant's G:
+    # not inductive once a user holds two resident requests (continuous batching).
+    paper = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, EXAMPLE_MAX_PROMPT_TOKENS, fr.OUTPUT_PRICE,
+                                     EXAMPLE_MAX_OUTPUT_TOKENS)
+    paper_cap = max_resident_units(2, EXAMPLE_MAX_PROMPT_TOKENS, EXAMPLE_MAX_OUTPUT_TOKENS)
+    st_paper, _ = _gap_step_proof((1, 1), lambda cap: cap == paper_cap,
+                                  lambda g, cap: g == paper * fr.COUNTER_SCALE, opts.timeout_s)
+    ours = [(n, max_resident_units(n, EXAMPLE_MAX_PROMPT_TOKENS, EXAMPLE_MAX_OUTPUT_TOKENS) * 2) for n in (1, 2, 30)]
+    detail = ("proved for every weight pair and every step; lift step proved. Weights 1,1, L_in=199, M=99: "
+              f"paper 2*max(w_p*L_in, w_q*M) = {paper} weighted tokens; derived U_p+U_q = 2*N*(w_p*L_in+w_q*M) = "
+              + ", ".join(f"{v} (N={n})" for n, v in ours)
+              + f"; the paper's {paper} as G with N=2 resident requests per user: {st_paper} (not inductive)")
+    return Outcome("proved", bound, detail)
+
+
+# ---------------------------------------------------------------- 2. the lift
+
+
+@register("vtc_lift",
+          "lifted_counter(own, min over backlogged, others) >= min over the backlogged users' counters when "
+          "others are backlogged (no banked credit), >= own (never decreases), and == max(own, min) "
+          "(no penalty beyond the minimum); == own when no one else is backlogged")
+def check_vtc_lift(opts: Options) -> Outcome:
+    """Up to ``n`` other users, each backlogged or not, with any counters."""
+    z3 = _z3()
+    n = 4
+    own = z3.Int("own")
+    cs = z3.Ints(" ".join(f"counter_{i}" for i in range(n)))
+    bl = [z3.Bool(f"backlogged_{i}") for i in range(n)]
+    m = z3.Int("min_backlogged")  # what the policy passes: the least counter among backlogged users
+    anyb = Or(*bl)
+    pre = [own >= 0, *(c >= 0 for c in cs), *(Implies(b, m <= c) for b, c in zip(bl, cs)),
+           Implies(anyb, Or(*(And(b, m == c) for b, c in zip(bl, cs))))]
+    lifted = fr.lifted_counter(own, m, anyb)
+    goals = [("no banked credit", Implies(anyb, lifted >= m)),
+             ("never decreases", lifted >= own),
+             ("no penalty beyond the minimum", Implies(anyb, lifted == If(own >= m, own, m))),
+             ("alone: keeps its own", Implies(Not(anyb), lifted == own))]
+    status, info = _prove(pre, goals, opts.timeout_s)
+    bound = f"unbounded counters, up to {n} other users"
+    if status == "counterexample":
+        mo, bad = info
+        values = {"own": _val(mo, own),
+                  "others (counter, backlogged)": [(_val(mo, c), _val(mo, b)) for c, b in zip(cs, bl)],
+                  "min_backlogged": _val(mo, m), "lifted": _val(mo, lifted)}
+        return Outcome("counterexample", bound, counterexample=StateCounterexample("lift", bad, values))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- 3. no starvation with aging
+
+
+def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int) -> tuple[list, list, dict]:
+    """Unroll ``depth`` ticks of the aging abstraction; returns (assumptions, goals, trace terms).
+
+    The waiting request r (``need_r`` blocks, admissible: ``<= cap``) is the first candidate
+    that does not fit whenever it does not fit; everything else is the adversary: which other
+    requests are admitted ahead of r before its reservation (VTC order) or past it
+    (``may_backfill_past``), each fitting with the headroom; resident work ``<= L``
+    iterations; growth by a block; preemptions; which ticks are isolated (within
+    ``sit_out_allowed``) and which residents sit out in them.
+    """
+    z3 = _z3()
+    asm: list = []
+    need_r = z3.Int("need_r")
+    backfill = z3.Bool("backfill")
+    rem = [z3.Int(f"rem{j}_0") for j in range(slots)]
+    h = [z3.Int(f"blocks{j}_0") for j in range(slots)]
+    streak = z3.Int("streak_0")
+    asm += [need_r >= 1, need_r <= cap, streak >= 0, streak <= K]
+    for j in range(slots):
+        asm += [rem[j] >= 0, rem[j] <= L, Implies(rem[j] > 0, And(h[j] >= 1, h[j] <= cap)),
+                Implies(rem[j] == 0, h[j] == 0)]
+    asm.append(Sum(h) <= cap)
+    admitted, blocked, reserved, counted = z3.BoolVal(False), z3.IntVal(0), z3.BoolVal(False), z3.IntVal(0)
+    goals, trace = [], {"need_r": need_r, "backfill": backfill, "ticks": []}
+    bound = fr.admission_wait_bound(T, K, L)
+    for t in range(depth):
+        free = cap - Sum(h)
+        pre = [z3.Bool(f"preempt{j}_{t}") for j in range(slots)]
+        grow = [z3.Bool(f"grow{j}_{t}") for j in range(slots)]
+        asm += [Implies(pre[j], rem[j] > 0) for j in range(slots)]
+        asm += [Implies(grow[j], And(rem[j] > 0, Not(pre[j]))) for j in range(slots)]
+        h1 = [If(pre[j], 0, h[j] + If(grow[j], 1, 0)) for j in range(slots)]
+        rem1 = [If(pre[j], 0, rem[j]) for j in range(slots)]
+        asm.append(Sum(h1) <= cap)  # growth takes free blocks (else the scheduler preempts)
+        any_pre = Or(*pre)
+        free1 = cap - Sum(h1)
+        resident = Sum([If(r > 0, 1, 0) for r in rem1])
+        # another request admitted this tick (into an empty slot): ahead of r, or past it
+        other = [z3.Bool(f"admit_other{j}_{t}") for j in range(slots)]
+        ahead = z3.Bool(f"other_ahead_{t}")
+        o_need, o_rem = z3.Int(f"other_need_{t}"), z3.Int(f"other_work_{t}")
+        asm += [Implies(other[j], rem1[j] == 0) for j in range(slots)]
+        asm += [Sum([If(o, 1, 0) for o in other]) <= 1, o_need >= 1, o_rem >= 1, o_rem <= L]
+        some_other = Or(*other)
+        headroom = fr.growth_headroom_blocks(resident, B)
+        other_fits = fr.can_admit(free1, o_need, headroom)
+        free2 = free1 - If(And(some_other, ahead), o_need, 0)
+        res2 = resident + If(And(some_other, ahead), 1, 0)
+        fits_r = fr.can_admit(free2, need_r, If(reserved, 0, fr.growth_headroom_blocks(res2, B)))
+        tried = And(Not(admitted), Not(any_pre))  # admission runs only in a tick that did not preempt
+        adm_r = And(tried, fits_r)
+        may_pass = fr.may_backfill_past(blocked, T, backfill)
+        asm.append(Implies(some_other, And(
+            Not(admitted), Not(any_pre), Not(reserved), other_fits,  # a reservation admits nothing else
+            Or(ahead, And(Not(fits_r), may_pass, fr.can_admit(free1, o_need, headroom))))))
+        is_blocked = And(tried, Not(fits_r))
+        blocked1 = blocked + If(is_blocked, 1, 0)
+        reserved1 = Or(reserved, And(is_blocked, fr.reserved_after(blocked1, T)))
+        counted1 = counted + If(And(Not(admitted), Or(reserved, Not(any_pre))), 1, 0)
+        # the iteration: isolated ticks within the cap; residents sit out only in them
+        iso = z3.Bool(f"isolated_{t}")
+        sits = [z3.Bool(f"sits_out{j}_{t}") for j in range(slots)]
+        asm.append(Implies(iso, fr.sit_out_allowed(streak, K)))
+        asm += [Implies(sits[j], iso) for j in range(slots)]
+        rem2 = [If(other[j], o_rem, If(And(rem1[j] > 0, Not(sits[j])), rem1[j] - 1, rem1[j])) for j in range(slots)]
+        h2 = [If(other[j], o_need, If(rem2[j] == 0, 0, h1[j])) for j in range(slots)]
+        streak1 = fr.next_streak(streak, iso)
+        admitted = Or(admitted, adm_r)
+        # name the state after the tick with fresh variables (flat terms)
+        nxt_rem = [z3.Int(f"rem{j}_{t + 1}") for j in range(slots)]
+        nxt_h = [z3.Int(f"blocks{j}_{t + 1}") for j in range(slots)]
+        nxt = z3.Ints(f"streak_{t + 1} blocked_{t + 1} counted_{t + 1}")
+        nadm, nres = z3.Bools(f"admitted_{t + 1} reserved_{t + 1}")
+        asm += [a == b for a, b in zip(nxt_rem, rem2)] + [a == b for a, b in zip(nxt_h, h2)]
+        asm += [nxt[0] == streak1, nxt[1] == blocked1, nxt[2] == counted1, nadm == admitted, nres == reserved1]
+        rem, h, streak, blocked, counted, admitted, reserved = nxt_rem, nxt_h, nxt[0], nxt[1], nxt[2], nadm, nres
+        trace["ticks"].append({"rem": rem, "blocks": h, "streak": streak, "blocked_ticks": blocked,
+                               "counted": counted, "admitted": admitted, "reserved": reserved, "isolated": iso,
+                               "preempted": pre, "other admitted": some_other, "other ahead": ahead})
+        goals.append((f"r admitted once {bound} counted ticks passed (tick {t})", Implies(counted >= bound, admitted)))
+    return asm, goals, trace
+
+
+@register("no_starvation_aging",
+          "an admissible waiting request r that is the first candidate not fitting is admitted within "
+          "admission_wait_bound(T, K, L) = T + (K+1)*L + 1 ticks (ticks before its reservation counted when "
+          "admission ran), whatever else is admitted ahead of or past it, under the fairness assumption "
+          "(a resident request needs <= L more iterations; tick() keeps being called)")
+def check_no_starvation_aging(opts: Options) -> Outcome:
+    """Bounded model checking of the abstraction in ``_aging_run`` (rules: ``can_admit``,
+    ``growth_headroom_blocks``, ``may_backfill_past``, ``reserved_after``, ``sit_out_allowed``,
+    ``next_streak``, ``admission_wait_bound``)."""
+    T, K, L = AGING_T, AGING_K, AGING_L
+    bound_ticks = fr.admission_wait_bound(T, K, L)
+    depth = bound_ticks + AGING_EXTRA
+    asm, goals, trace = _aging_run(T, K, L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, depth)
+    bound = (f"T={T}, K={K}, L={L}: bound {bound_ticks} counted ticks; depth {depth} ticks; {AGING_SLOTS} resident "
+             f"slots, cap {AGING_CAP_BLOCKS} blocks of {AGING_BLOCK_TOKENS} tokens, any r (need <= cap), one "
+             f"other admission per tick, backfill on or off")
+    status, info = _prove(asm, goals, opts.timeout_s, split=False)
+    if status == "counterexample":
+        m, bad = info
+        values: dict[str, Any] = {"need_r": _val(m, trace["need_r"]), "backfill": _val(m, trace["backfill"])}
+        for t, s in enumerate(trace["ticks"]):
+            values[f"after tick {t}"] = ", ".join(
+                f"{k} {[_val(m, x) for x in v] if isinstance(v, list) else _val(m, v)}" for k, v in s.items())
+        return Outcome("counterexample", bound,
+                       counterexample=StateCounterexample(f"run of {depth} ticks", bad[:1], values))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- 4. the sit-out bound
+
+
+@register("sit_out_bound",
+          "isolation never runs more than K consecutive isolated iterations, so a decode never sits out "
+          "more than K in a row: 0 <= streak <= K is inductive under sit_out_allowed / next_streak (any K), "
+          "and no K+1 consecutive isolated iterations exist from any reachable streak")
+def check_sit_out_bound(opts: Options) -> Outcome:
+    z3 = _z3()
+    k, s = z3.Ints("K streak")
+    iso = z3.Bool("isolated")
+    s1 = fr.next_streak(s, iso)
+    status, info = _prove([k >= 0, s >= 0, s <= k, Implies(iso, fr.sit_out_allowed(s, k))],
+                          [("0 <= streak' <= K", And(s1 >= 0, s1 <= k)),
+                           ("streak counts consecutive isolated iterations", s1 == If(iso, s + 1, 0))],
+                          opts.timeout_s)
+    bound = f"inductive step for any K >= 0; runs of K+1 iterations for K in {list(SIT_OUT_KS)}"
+    if status == "counterexample":
+        m, bad = info
+        return Outcome("counterexample", bound, counterexample=StateCounterexample(
+            "one iteration", bad,
+            {"K": _val(m, k), "streak": _val(m, s), "isolated": _val(m, iso), "streak'": _val(m, s1)}))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    for K in SIT_OUT_KS:
+        st = z3.Int("streak_0")
+        isos = [z3.Bool(f"isolated_{t}") for t in range(K + 1)]
+        asm = [st >= 0, st <= K]
+        cur: Any = st
+        for t in range(K + 1):
+            asm.append(Implies(isos[t], fr.sit_out_allowed(cur, K)))
+            nxt = z3.Int(f"streak_{t + 1}")
+            asm.append(nxt == fr.next_streak(cur, isos[t]))
+            cur = nxt
+        status, info = _prove(asm, [(f"not {K + 1} isolated in a row", Not(And(*isos)))], opts.timeout_s, split=False)
+        if status == "counterexample":
+            m, bad = info
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(
+                f"{K + 1} iterations, K={K}", bad, {"streak_0": _val(m, st), "isolated": [_val(m, x) for x in isos]}))
+        if status != "proved":
+            return Outcome("unknown", bound, f"K={K}: {status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- 1'. the counter gap, bounded runs
+
+#: The bounded runs of the VTC pick: depth (ticks), resident slots per user, admissions per
+#: tick, longest prompt ``L_in`` and output ``M`` (tokens).
+GAP_BMC_DEPTH, GAP_BMC_SLOTS, GAP_BMC_ADMITS, GAP_BMC_MAX_PROMPT, GAP_BMC_MAX_OUTPUT = 6, 2, 2, 3, 2
+
+
+def _gap_run(weights: tuple[int, int], depth: int, slots: int, admits: int, max_prompt: int,
+             max_output: int) -> tuple[list, list, Any]:
+    """Unroll ``depth`` ticks of two backlogged users from equal counters and nothing resident.
+
+    Each tick: up to ``admits`` admissions, each of the user with the least local counter
+    (ties either way; the tick's advance prompt charges with ``charged_counter``), stopping
+    when that user's request does not fit (no free slot, or the adversary's KV/budget stop);
+    then every resident request receives any service up to what it still needs and at most one
+    iteration's worth (its prompt as one chunk plus one output token), charged with
+    ``service_units`` / ``charged_counter``. Returns (assumptions, the counter terms per tick
+    ``[(c_p, c_q)]``, the derived bound in counter units).
+    """
+    z3 = _z3()
+    users = (0, 1)
+    c = [z3.IntVal(0), z3.IntVal(0)]
+    rem = [[z3.IntVal(0)] * slots for _ in users]  # weighted tokens still to serve, 0: empty slot
+    asm: list = []
+    counters = []
+    # one iteration serves a request at most its whole (short) prompt as one chunk and one output token
+    per_iteration = fr.service_units(max_prompt, 1, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+    for t in range(depth):
+        local = list(c)
+        stopped: Any = z3.BoolVal(False)
+        for i in range(admits):
+            tie, stop = z3.Bools(f"tie_{t}_{i} stop_{t}_{i}")
+            x_in, x_out = z3.Ints(f"prompt_{t}_{i} output_{t}_{i}")
+            asm += [x_in >= 0, x_in <= max_prompt, x_out >= 1, x_out <= max_output]
+            pick_p = Or(local[0] < local[1], And(local[0] == local[1], tie))
+            units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+            new_rem, new_local = [], []
+            admitted_any: Any = z3.BoolVal(False)
+            for u in users:
+                chosen = pick_p if u == 0 else Not(pick_p)
+                placed = z3.BoolVal(False)
+                row = []
+                for j in range(slots):
+                    here = And(Not(stopped), Not(stop), chosen, Not(placed), rem[u][j] == 0)
+                    row.append(If(here, units, rem[u][j]))
+                    placed = Or(placed, here)
+                new_rem.append(row)
+                advanced = fr.charged_counter(local[u], fr.PROMPT_PRICE * x_in, weights[u])
+                new_local.append(If(placed, advanced, local[u]))
+                admitted_any = Or(admitted_any, placed)
+            rem, local = new_rem, new_local
+            stopped = Or(stopped, Not(admitted_any))  # the least user's request did not fit: stop
+        for u in users:
+            served = []
+            for j in range(slots):
+                s = z3.Int(f"served_{u}_{j}_{t}")
+                asm += [s >= 0, s <= rem[u][j], s <= per_iteration]
+                served.append(s)
+            c[u] = fr.charged_counter(c[u], Sum(served), weights[u])
+            rem[u] = [r - s for r, s in zip(rem[u], served)]
+        cu = z3.Ints(f"counter_p_{t + 1} counter_q_{t + 1}")
+        asm += [cu[0] == c[0], cu[1] == c[1]]
+        c = list(cu)
+        rem = [[_name(rem[u][j], f"rem_{u}_{j}_{t + 1}", asm) for j in range(slots)] for u in users]
+        counters.append((c[0], c[1]))
+    cap = max_resident_units(slots, max_prompt, max_output)
+    return asm, counters, vtc_counter_gap_bound_units(cap, *weights)
+
+
+def _name(term: Any, name: str, asm: list) -> Any:
+    v = _z3().Int(name)
+    asm.append(v == term)
+    return v
+
+
+@register("vtc_counter_gap_bmc",
+          "from equal counters and nothing resident, every state of two backlogged users reachable within the "
+          "depth has |c_p - c_q| <= U_p + U_q (the derived bound); the paper's 2*max(w_p*L_in, w_q*M) is "
+          "exceeded in some reachable state (printed)")
+def check_vtc_counter_gap_bmc(opts: Options) -> Outcome:
+    """Bounded model checking of ``_gap_run`` for each weight pair in ``GAP_WEIGHTS[:2]``."""
+    d, n, a, lin, mo = GAP_BMC_DEPTH, GAP_BMC_SLOTS, GAP_BMC_ADMITS, GAP_BMC_MAX_PROMPT, GAP_BMC_MAX_OUTPUT
+    bound = (f"depth {d} ticks, {n} resident slots per user, {a} admissions per tick, prompts <= {lin}, "
+             f"outputs 1..{mo} tokens, per iteration any service up to a prompt chunk and one output token; "
+             f"weights {list(GAP_WEIGHTS[:2])}")
+    paper_hit = ""
+    for w in GAP_WEIGHTS[:2]:
+        asm, counters, g = _gap_run(w, d, n, a, lin, mo)
+        goals = [(f"|c_p - c_q| <= {g} after tick {t}", And(cp - cq <= g, cq - cp <= g))
+                 for t, (cp, cq) in enumerate(counters)]
+        status, info = _prove(asm, goals, opts.timeout_s, split=False)
+        if status == "counterexample":
+            m, bad = info
+            values = {"weights": w} | {f"counters after tick {t}": (_val(m, cp), _val(m, cq))
+                                       for t, (cp, cq) in enumerate(counters)}
+            return Outcome("counterexample", bound,
+                           counterexample=StateCounterexample(f"run of {d} ticks", bad[:1], values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"weights {w}: {status} {info or ''}")
+        if w == (1, 1):
+            paper = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, lin, fr.OUTPUT_PRICE, mo) * fr.COUNTER_SCALE
+            st, info = _prove(asm, [("paper", And(*(cp - cq <= paper for cp, cq in counters)))], opts.timeout_s,
+                              split=False)
+            if st == "counterexample":
+                m, _ = info
+                worst = max(_val(m, cp) - _val(m, cq) for cp, cq in counters) // fr.COUNTER_SCALE
+                paper_hit = (f"; weights 1,1: the paper's {paper // fr.COUNTER_SCALE} weighted tokens is exceeded "
+                             f"(a reachable gap of {worst}), derived bound {g // fr.COUNTER_SCALE}")
+            else:
+                paper_hit = f"; weights 1,1: the paper's bound held within the depth ({st})"
+    return Outcome("proved", bound, "unsat; assumptions sat" + paper_hit)

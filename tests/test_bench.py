@@ -1,0 +1,156 @@
+"""The benchmark harness and the baselines: the bench runs on tiny workloads and its numbers
+are internally consistent. No timing is asserted (benchmarks print figures; tests don't)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from conftest import ScriptedBackend, drain, make_req
+
+import bench
+import request_gen
+import workloads
+from baselines import ReservationScheduler, RoundRobinPolicy, StaticBatchScheduler
+from inference_stub import Request
+from scheduler import Scheduler
+from spec import rules
+from workloads import Workload
+
+
+def _with_refusal() -> list[Request]:
+    reqs = request_gen.stream(n=30, lam=100.0, seed=11)
+    reqs.append(Request(user_id="u9", prompt=[1] * 5000, max_tokens=5, request_id="huge", submitted_at=0.1))
+    return reqs
+
+
+TINY = (*workloads.QUICK_WORKLOADS,
+        Workload("refusal", "30 stream requests and one prompt larger than the cache", "tests", _with_refusal))
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return bench.run_suite(TINY, progress=False)
+
+
+def test_every_cell_is_consistent_with_its_bound_and_its_workload(suite):
+    for wr in suite:
+        b = wr.bound
+        assert b.tokens_per_s > 0 and b.accepted + b.refused == len(wr.workload.build())
+        for name, c in wr.cells.items():
+            m = c.metrics
+            where = f"{wr.workload.name}/{name}"
+            assert m["throughput_tokens_per_sec"] <= b.tokens_per_s * (1 + 1e-9), where
+            assert 0.0 < bench.fraction(c, b) <= 1.0 + 1e-9, where
+            assert m["requests_finished"] + c.refused == c.submitted, where
+            assert c.refused == b.refused == m["refusals"], where
+            # seeded token streams: every policy generates exactly the tokens the bound counted
+            assert m["output_tokens"] == b.output_tokens, where
+            assert len(c.ttft_s) == m["requests_finished"] and np.all(c.ttft_s <= c.e2e_s + 1e-12), where
+            assert 0.0 <= c.gpu_busy <= 1.0 and 0.0 <= m["kv_utilization"] <= 1.0, where
+            assert 0.0 < m["jain_index_output_tokens"] <= 1.0, where
+            assert c.timeline[:, 2].max() <= wr.workload.kv_cap_blocks, where
+        assert wr.cells["Static"].metrics["preemptions"] == 0
+        assert wr.cells["FCFS-reserve"].metrics["preemptions"] == 0
+
+
+def test_refused_requests_are_counted_not_dropped(suite):
+    wr = next(w for w in suite if w.workload.name == "refusal")
+    assert wr.bound.refused == 1
+    assert all(c.refused == 1 and c.metrics["requests_finished"] == 30 for c in wr.cells.values())
+
+
+def test_ab_burst_records_per_user_service_and_b_alone(suite):
+    wr = next(w for w in suite if w.workload.name == "ab-burst")
+    for p, c in wr.cells.items():
+        assert set(c.service) == {"A", "B"}
+        final = {u: s[-1][1] for u, s in c.service.items()}
+        assert sum(final.values()) == c.metrics["output_tokens"]
+        assert wr.b_alone_ttft_p50_s[p] > 0
+
+
+def test_bound_is_reached_by_a_single_request_alone():
+    # one request: ceil(200/64) = 4 iterations of prefill, then L - 1 decodes, each 6 ms; nothing can do better
+    w = Workload("one", "one request", "tests", lambda: [make_req("x", n_prompt=200, max_tokens=40)],
+                 eos_probability=0.0)
+    b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=256, eos_probability=0.0)
+    assert b.output_tokens == 40 and b.min_duration_s == pytest.approx((4 + 39) * 0.006)
+    c = bench.run_cell(w, "Batch")
+    assert bench.fraction(c, b) == pytest.approx(1.0)
+
+
+def test_bound_holds_on_random_small_workloads():
+    rng = random.Random(3)
+    for i in range(4):
+        n, cap = rng.randint(5, 25), rng.choice((32, 64, 256))
+        reqs_spec = [(rng.uniform(0, 0.5), rng.randint(1, 300), rng.randint(1, 120), f"u{rng.randint(1, 3)}")
+                     for _ in range(n)]
+
+        def build(spec=reqs_spec):
+            return [Request(user_id=u, prompt=[1 + j % 63 for j in range(p)], max_tokens=m, request_id=f"q{k}",
+                            submitted_at=t) for k, (t, p, m, u) in enumerate(spec)]
+
+        w = Workload(f"rand{i}", "random", "tests", build, kv_cap_blocks=cap, eos_probability=0.05)
+        b = bench.throughput_upper_bound(build(), kv_cap_blocks=cap, eos_probability=0.05)
+        for p in bench.POLICIES:
+            c = bench.run_cell(w, p)
+            assert c.metrics["output_tokens"] == b.output_tokens, (i, p)
+            assert c.metrics["throughput_tokens_per_sec"] <= b.tokens_per_s * (1 + 1e-9), (i, p)
+
+
+def test_static_batching_admits_only_into_an_empty_batch_and_pads_finished_rows():
+    be = ScriptedBackend(eos_at={"a": 2})
+    s = StaticBatchScheduler(batch_size=2, backend=be, clock=lambda: 0.0)
+    for rid, mt in (("a", 10), ("b", 6), ("c", 3)):
+        s.submit(make_req(rid, max_tokens=mt))
+    drain(s)
+    ids = [[x[0] for x in batch] for batch in be.batches]
+    first = [b for b in ids if "c" not in b]
+    assert all(sorted(b) == ["a", "b"] for b in first), "a stays as padding after its EOS until b finishes"
+    assert len(first) == 6 and ids[len(first):] == [["c"]] * 3
+
+
+def test_reservation_holds_prompt_plus_max_tokens_and_never_preempts():
+    be = ScriptedBackend()
+    s = ReservationScheduler(kv_cap_blocks=10, backend=be, clock=lambda: 0.0)
+    for i in range(4):
+        s.submit(make_req(f"r{i}", n_prompt=30, max_tokens=50))  # 80 tokens = 5 blocks reserved each
+    s.tick()
+    assert s.pool.num_used == 10 and len(s.running) == 2
+    drain(s)
+    assert s.metrics()["preemptions"] == 0 and s.metrics()["requests_finished"] == 4
+    assert rules.blocks_for(30 + 50, 16) == 5
+
+
+def test_round_robin_alternates_users_and_keeps_fifo_within_a_user():
+    be = ScriptedBackend()
+    s = Scheduler(policy=RoundRobinPolicy(), max_running=3, backend=be, clock=lambda: 0.0)
+    for i in range(4):
+        s.submit(make_req(f"a{i}", user="A", max_tokens=3))
+    s.submit(make_req("b0", user="B", max_tokens=3))
+    s.tick()
+    assert [x[0] for x in be.batches[0]] == ["a0", "b0", "a1"]
+    drain(s)
+    assert len(s.policy) == 0 and s.metrics()["requests_finished"] == 5
+
+
+def test_memory_per_waiting_request_and_nothing_retained_after_finish():
+    assert bench.retained_after_finish(n=50) == 0
+    assert 0 < bench.bytes_per_waiting_request(n=500) < 2048
+    assert bench.tick_overhead_us(4, 10, ticks=5) > 0
+
+
+def test_report_and_readme_are_written(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# X\n\ntext\n")
+    bench.update_readme("| t |", readme)
+    bench.update_readme("| u |", readme)
+    text = readme.read_text()
+    assert text.count("## Benchmarks") == 1 and "| u |" in text and "| t |" not in text
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert bench.main(["--quick", "--out", str(out), "--no-readme", "--skip-overhead", "--no-progress",
+                       "--only", "ab-burst"]) == 0
+    md = out.read_text()
+    assert "## ab-burst" in md and "| Batch |" in md and "upper bound" in md
+    assert {p.name for p in (out.parent / "img").iterdir()} == {"ab-burst-cdf.png", "ab-burst-timeline.png",
+                                                                 "ab-burst-service.png"}

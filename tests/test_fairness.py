@@ -1,0 +1,439 @@
+"""Issue 3's behaviours: VTC fair share, TTFT isolation, preemption without thrash, no starvation.
+
+Every scenario runs on the virtual clock or a scripted backend and asserts behaviour (who is
+admitted when, TTFT ratios in simulated time, counts of preemptions and sit-outs), never wall time.
+"""
+import statistics
+
+import pytest
+from conftest import ScriptedBackend, StepClock, drain, make_req
+
+import bench_fairness as bf
+import simulate
+from isolation import Isolation, LatencyModel
+from policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
+from scheduler import Scheduler
+from spec import fairness_rules as fr
+
+
+class Spy(Scheduler):
+    """A scheduler that keeps every plan it ran, with the tick it ran in."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plans = []
+        self.victim_admit_ticks = []  # per plan: the admission tick of each victim, when preempted
+
+    def update_from_output(self, plan, tokens, **kw):
+        self.plans.append(plan)
+        self.victim_admit_ticks.append([q.admit_tick for q in plan.preempted])
+        return super().update_from_output(plan, tokens, **kw)
+
+
+def run(requests, **kw):
+    return simulate.run_workload(requests, max_ticks=200_000, **kw)
+
+
+def ratio_b(seed, spread, **kw):
+    with_a = run(bf.ab_burst(seed, spread=spread), **kw)
+    alone = run(bf.ab_burst(seed, spread=spread, with_a=False), **kw)
+    return bf.median_ttft(with_a.finished, "B") / bf.median_ttft(alone.finished, "B"), with_a
+
+
+# ---------------------------------------------------------------- the seed's A/B burst
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["all-before-first-tick", "spread-over-1s"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ab_burst_b_median_ttft_within_1_5x_of_b_alone(seed, spread):
+    ratio, res = ratio_b(seed, spread)
+    assert ratio <= 1.5
+    assert len(res.finished) == 105
+    fcfs_ratio, _ = ratio_b(seed, spread, policy=FCFSPolicy())
+    assert fcfs_ratio > 10  # the workload discriminates: plain FCFS fails it by far
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_ab_burst_a_throughput_within_5_percent_of_fcfs(spread):
+    fair = run(bf.ab_burst(0, spread=spread))
+    fcfs = run(bf.ab_burst(0, spread=spread), policy=FCFSPolicy())
+    assert bf.user_throughput(fair, "A") >= 0.95 * bf.user_throughput(fcfs, "A")
+    assert fair.scheduler.isolation.isolated_ticks > 0  # isolation did run
+
+
+def test_isolation_is_what_protects_b_at_once():
+    ratio, _ = ratio_b(0, False, isolation=False)
+    assert ratio > 2  # VTC admission order alone is not enough (prefill inside A's iterations)
+
+
+# ---------------------------------------------------------------- flood, returning user, weights
+
+
+def test_flooding_user_cannot_push_another_users_ttft_above_the_bound():
+    reqs = bf.flood(0, n_flood=1500, others=("B",), rate_per_s=4.0, horizon_s=20.0)
+    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler)
+    alone = run([r for r in bf.flood(0, n_flood=1500, others=("B",), rate_per_s=4.0, horizon_s=20.0)
+                 if r.user_id == "B"])
+    s = res.scheduler
+    work = -(-120 // s.prefill_chunk_tokens) + 40  # B's prompts <= 120 tokens, max_tokens <= 40
+    bound = fr.admission_wait_bound(s.aging_ticks, s.isolation.max_sit_out_ticks, work)
+    assert 0 < bf.max_wait_ticks(res, ("B",)) <= bound
+    assert bf.median_ttft(res.finished, "B") <= 1.5 * bf.median_ttft(alone.finished, "B")
+    assert sum(r.user_id == "A" for r in res.finished) == 1500
+
+
+def test_returning_user_takes_no_more_than_its_fair_share():
+    reqs = bf.returning(0, n_backlog=150, idle_until_s=8.0, n_return=60)
+    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler)
+    share = bf.share_after(res.scheduler.trace, "B", 8.0, window_s=3.0)
+    assert 0.25 <= share <= 0.40  # fair: 1/3 of the service among A, B, C
+
+
+class NoLift(VTCPolicy):
+    """VTC without the counter lift (plain least-counter-first): idle time banks credit."""
+
+    def _activate(self, user):
+        if user not in self._user_no:
+            self._user_no[user] = len(self._user_no)
+        self._ver[user] = self._ver.get(user, 0) + 1
+        self._push(user)
+
+
+def test_without_the_lift_a_returning_user_takes_more_than_its_share():
+    reqs = bf.returning(0, n_backlog=150, idle_until_s=8.0, n_return=60)
+    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler, policy=NoLift())
+    assert bf.share_after(res.scheduler.trace, "B", 8.0, window_s=3.0) > 0.5  # the test above has teeth
+
+
+def test_weights_divide_service_two_to_one_while_both_backlogged():
+    reqs = [r for r in bf.overload(3, n_per_user=250) if r.user_id in ("short", "mixed")]
+    for r in reqs:
+        r.user_id = "heavy" if r.user_id == "mixed" else "light"
+        r.prompt, r.max_tokens = r.prompt[:60], max(5, min(r.max_tokens, 40))
+    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler, policy=VTCPolicy(weights={"heavy": 2}))
+    acc = {"heavy": 0.0, "light": 0.0}
+    prev = None
+    for _, svc, backlogged in res.scheduler.trace:
+        if prev is not None and {"heavy", "light"} <= backlogged:
+            for u in acc:
+                acc[u] += svc.get(u, 0.0) - prev.get(u, 0.0)
+        prev = svc
+    assert 1.7 <= acc["heavy"] / acc["light"] <= 2.3
+
+
+def test_overload_vtc_is_fairer_than_fcfs_and_round_robin():
+    def jain(**kw):
+        res = run(bf.overload(0, n_per_user=80), record_itl=False, make_scheduler=bf.RecordingScheduler, **kw)
+        return bf.jain_while_all_backlogged(res.scheduler.trace, list(bf.OVERLOAD_USERS))
+
+    vtc = jain()
+    assert vtc >= 0.98 and vtc > jain(policy=FCFSPolicy()) + 0.1 and vtc > jain(policy=RoundRobinPolicy()) + 0.1
+
+
+# ---------------------------------------------------------------- preemption without thrash
+
+
+def test_two_requests_that_cannot_both_fit_do_not_evict_each_other_forever():
+    be = ScriptedBackend()
+    s = Spy(backend=be, clock=StepClock(), kv_cap_blocks=8, max_preemptions=2)
+    a = make_req("a", user="u1", n_prompt=31, max_tokens=90)  # 121 tokens at the end: 8 blocks each
+    b = make_req("b", user="u2", n_prompt=31, max_tokens=90)
+    s.submit(a)
+    s.submit(b)
+    done = drain(s, limit=2000)
+    assert sorted(r.request_id for r in done) == ["a", "b"]
+    assert len(a.generated) == len(b.generated) == 90
+    counts = {}
+    for p in s.plans:
+        for q in p.preempted:
+            counts[q.request_id] = counts.get(q.request_id, 0) + 1
+    assert counts and max(counts.values()) <= 2
+    assert be.max_blocks_in_a_batch() <= 8
+
+
+@pytest.mark.parametrize("cap", [0, 1, 3])
+def test_preemption_cap_holds_under_kv_pressure(cap):
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=64, max_preemptions=cap)
+    for i in range(20):
+        s.submit(make_req(f"L{i}", user=f"u{i % 3}", n_prompt=100 + 7 * i, max_tokens=99))
+    assert len(drain(s)) == 20
+    counts = {}
+    for p in s.plans:
+        for q in p.preempted:
+            counts[q.request_id] = counts.get(q.request_id, 0) + 1
+    assert max(counts.values(), default=0) <= cap
+    if cap == 0:
+        assert not counts  # every request is admitted with its worst case reserved
+
+
+def test_no_admission_in_a_tick_that_preempted_and_no_victim_admitted_in_the_same_tick():
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=48)
+    for i in range(40):
+        s.submit(make_req(f"r{i}", user=f"u{i % 4}", n_prompt=20 + 9 * (i % 7), max_tokens=60))
+    drain(s)
+    preempting = [(t, p) for t, p in enumerate(s.plans) if p.preempted]
+    assert preempting
+    for t, p in preempting:
+        assert not any(x.admitted for x in p.batch)
+        assert all(0 <= at < t for at in s.victim_admit_ticks[t])
+
+
+def test_every_running_request_needing_a_block_in_the_same_tick_preempts_the_most_served_user():
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=8, isolation=False)
+    reqs = [make_req("x0", user="big", n_prompt=31, max_tokens=20), make_req("x1", user="big", n_prompt=31,
+                                                                          max_tokens=20),
+            make_req("y0", user="small", n_prompt=31, max_tokens=20)]
+    for r in reqs:
+        s.submit(r)
+    s.tick()  # all three admitted: 6 of 8 blocks; each needs a 3rd block next tick
+    s.submit(make_req("z0", user="other", n_prompt=31, max_tokens=20))
+    s.tick()  # z0 admitted: 8 of 8
+    s.tick()  # every resident request needs a block now
+    victims = [q for p in s.plans for q in p.preempted]
+    assert victims and victims[0].user_id == "big" and victims[0].request_id == "x1"  # most blocks, newest
+    assert len(drain(s)) == 4 and all(len(r.generated) == 20 for r in reqs)
+
+
+def test_preempted_request_keeps_its_place_ahead_of_later_arrivals_of_its_user():
+    p = VTCPolicy()
+    seqs = [_FakeSeq("u", i) for i in range(4)]
+    for q in seqs:
+        p.add(q)
+    p.remove(seqs[0])
+    p.remove(seqs[2])  # backfill admitted a younger one
+    p.requeue(seqs[2])
+    p.requeue(seqs[0])
+    p.add(_FakeSeq("u", 9))
+    assert [q.arrival_no for q in p.admission_order()] == [0, 1, 2, 3, 9]
+    rr = RoundRobinPolicy()
+    for q in seqs:
+        rr.add(q)
+    rr.remove(seqs[1])
+    rr.requeue(seqs[1])
+    assert [q.arrival_no for q in rr.admission_order()] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- no starvation: aging
+
+
+def _long_amid_small(aging_ticks, ticks_of_stream=120, **kw):
+    """Users y and z submit two small requests a tick (2 blocks each, never growing) into a 32-block
+    cache; user x's 300-token prompt (19 blocks) arrives at tick 10, when the cache is full.
+    Returns (scheduler, x, x's submit tick, x's admission tick)."""
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=32, aging_ticks=aging_ticks,
+            policy=VTCPolicy(backfill=True), isolation=False, **kw)
+    x = make_req("x", user="x", n_prompt=300, max_tokens=4)
+    t = 0
+    for t in range(ticks_of_stream):
+        s.submit(make_req(f"y{t}", user="y", n_prompt=20, max_tokens=12))
+        s.submit(make_req(f"z{t}", user="z", n_prompt=20, max_tokens=12))
+        if t == 10:
+            s.submit(x)
+        s.tick()
+    drain(s)
+    admitted = next(i for i, p in enumerate(s.plans) for b in p.batch if b.seq.req is x and b.admitted)
+    return s, x, 10, admitted
+
+
+def test_long_request_amid_small_ones_is_admitted_within_the_aging_bound():
+    s, x, submitted, admitted = _long_amid_small(aging_ticks=5)
+    work = 1 + 12  # a small request: one prefill chunk and 12 output tokens
+    bound = fr.admission_wait_bound(5, 0, work)  # no isolation: nothing sits out (K = 0)
+    assert admitted - submitted <= bound
+    assert len(x.generated) == 4
+    passed = [p for p in s.plans[submitted:admitted] if any(b.admitted for b in p.batch)]
+    assert passed  # small requests did backfill past x before its reservation
+
+
+def test_without_aging_backfill_starves_the_long_request():
+    _, _, submitted, admitted = _long_amid_small(aging_ticks=10 ** 6)
+    assert admitted - submitted > fr.admission_wait_bound(5, 0, 13)  # the bound above is not free
+
+
+# ---------------------------------------------------------------- isolation: sit-out bound, latency model
+
+
+def test_sit_out_lasts_at_most_k_consecutive_iterations():
+    k = 3
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=2048,
+            isolation=Isolation(max_sit_out_ticks=k))
+    for i in range(20):
+        s.submit(make_req(f"a{i}", user="A", n_prompt=10, max_tokens=400))
+    s.tick()
+    for i in range(30):  # B keeps a long prompt (16 chunks) prefilling
+        if i % 10 == 0:
+            s.submit(make_req(f"b{i}", user="B", n_prompt=1000, max_tokens=2))
+        s.tick()
+    streak, worst, isolated = {}, 0, 0
+    for p in s.plans:
+        isolated += p.isolated
+        sat = {q.request_id for q in p.sat_out}
+        for q in s.running:
+            streak[q.request_id] = streak.get(q.request_id, 0) + 1 if q.request_id in sat else 0
+            worst = max(worst, streak[q.request_id])
+    assert worst == k  # reached, never exceeded
+    assert isolated >= 2 * k
+
+
+class CostScheduler(Spy):
+    """A virtual clock advanced by a given cost of each iteration: ``cost_s(requests, tokens)``."""
+
+    def __init__(self, cost_s, **kw):
+        self.t = 0.0
+        self.cost_s = cost_s
+        super().__init__(clock=lambda: self.t, backend=self._forward, **kw)
+
+    def schedule(self):
+        self._plan = super().schedule()
+        return self._plan
+
+    def _forward(self, batch):
+        self.t += self.cost_s(len(batch), self._plan.num_batched_tokens)
+        return [1 + len(r.generated) % 50 for r in batch]
+
+
+@pytest.mark.parametrize("regime, isolates", [("tokens", False), ("requests", True)])
+def test_isolation_follows_the_learned_latency_model(regime, isolates):
+    """A real GPU's regime (8 ms + 0.02 ms per batched token): a 64-token chunk beside 30 decodes
+    is barely slower than alone, so B's prefill is not isolated; the stub's regime (5 ms + 1 ms
+    per request): it is 5x slower, so it is."""
+    cost = (lambda n, tok: 0.008 + 0.00002 * tok) if regime == "tokens" else (lambda n, tok: 0.005 + 0.001 * n)
+    s = CostScheduler(cost)
+    for i in range(30):
+        s.submit(make_req(f"a{i}", user="A", n_prompt=10 + 5 * i, max_tokens=300))
+    for _ in range(40):  # warm-up: 30 requests every iteration, so the split a / b is not identified
+        s.tick()
+    assert not s.isolation.model.ready
+    before = len(s.plans)
+    for i in range(5):
+        s.submit(make_req(f"b{i}", user="B", n_prompt=150, max_tokens=5))  # 3 chunks each
+    for _ in range(30):
+        s.tick()
+    a, b, c = s.isolation.model.coefficients()
+    ran_isolated = sum(1 for p in s.plans[before:] if p.isolated and p.batch)  # an empty one costs no time
+    if regime == "tokens":
+        assert c == pytest.approx(2e-5, rel=0.05) and a == pytest.approx(8e-3, rel=0.05) and b < 1e-5
+        assert ran_isolated == 1  # one exploratory isolation (it identifies the model), then none
+    else:
+        assert b == pytest.approx(1e-3, rel=0.05) and a == pytest.approx(5e-3, rel=0.05)
+        assert ran_isolated >= 3  # at least every chunk of B's prefill
+
+
+def test_latency_model_recovers_the_stub_and_uses_the_prior_before():
+    m = LatencyModel(min_observations=4)
+    assert not m.ready and m.predict_s(30, 30) == pytest.approx(30 * m.prior_per_request_s)
+    for n, tok in [(1, 64), (5, 200), (30, 30), (31, 94), (12, 140), (40, 40)]:
+        m.observe(n, tok, 0.005 + 0.001 * n)
+    a, b, c = m.coefficients()
+    assert a == pytest.approx(0.005, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3) and c < 1e-7
+    assert m.predict_us(31, 94) == 36000 and m.predict_us(0, 0) == 0
+
+
+# ---------------------------------------------------------------- the counter rules
+
+
+def test_counter_charges_prompt_once_per_request_and_outputs_at_two():
+    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=6)
+    a = make_req("a", user="u1", n_prompt=31, max_tokens=40)
+    b = make_req("b", user="u2", n_prompt=31, max_tokens=40)
+    s.submit(a)
+    s.submit(b)
+    drain(s)
+    assert s.metrics()["preemptions"] >= 1  # someone's prompt was recomputed
+    for user in ("u1", "u2"):
+        assert s.policy.counter_tokens(user) == 31 * fr.PROMPT_PRICE + 40 * fr.OUTPUT_PRICE
+
+
+def test_lift_idle_user_to_the_smallest_backlogged_counter():
+    p = VTCPolicy()
+    p.add(_FakeSeq("a", 0))
+    p.on_service(_FakeSeq("a", 0), 100, 0)
+    p.add(_FakeSeq("c", 1))  # lifted to a's 100
+    p.on_service(_FakeSeq("c", 1), 0, 10)  # c: 120
+    p.on_service(_FakeSeq("b", 9), 10, 0)  # b served earlier: 10, not backlogged
+    p.add(_FakeSeq("b", 2))
+    assert p.counter_tokens("b") == 100  # max(10, min(100, 120))
+    assert fr.lifted_counter(500, 100, True) == 500 and fr.lifted_counter(5, 100, False) == 5
+
+
+def test_weighted_charges_and_rule_functions_on_ints():
+    assert fr.charged_counter(0, 30, 2) == 15 * fr.COUNTER_SCALE
+    assert fr.charged_counter(0, 1, 7) == fr.COUNTER_SCALE // 7  # 720720 is divisible by 1..16
+    assert fr.new_prompt_tokens(0, 64, 100, 0) == 64 and fr.new_prompt_tokens(0, 64, 100, 100) == 0
+    assert fr.new_prompt_tokens(64, 64, 100, 64) == 36
+    assert fr.protected_next(False, 1, 1, 30, 2) and not fr.protected_next(True, 15, 1, 30, 2)
+    assert fr.protected_next(True, 10, 1, 30, 2) and not fr.protected_next(False, 10, 1, 30, 2)  # hysteresis
+    assert fr.over_served(20, 1, 30, 2) and not fr.over_served(15, 1, 30, 2)
+    assert fr.next_streak(3, True) == 4 and fr.next_streak(3, False) == 0 and not fr.sit_out_allowed(8, 8)
+    assert fr.worst_case_blocks(31, 90, 4096, 16) == 8 and fr.pinned(4, 4) and not fr.pinned(3, 4)
+    assert fr.vtc_service_gap_bound(1, 199, 2, 99) == 398
+    with pytest.raises(ValueError):
+        VTCPolicy(weights={"a": 0})
+
+
+def test_round_robin_takes_one_request_per_user_per_round():
+    rr = RoundRobinPolicy()
+    for i, u in enumerate("aaabbc"):
+        rr.add(_FakeSeq(u, i))
+    assert [q.user_id for q in rr.admission_order()] == list("abcaba")
+    rr.remove(next(iter(rr.admission_order())))  # a admitted: a goes behind b and c
+    assert [q.user_id for q in rr.admission_order()][:3] == list("bca")
+
+
+def test_default_scheduler_is_fair_and_fcfs_stays_available():
+    assert isinstance(Scheduler().policy, VTCPolicy) and Scheduler().isolation is not None
+    assert Scheduler(policy=FCFSPolicy()).isolation is None
+
+
+class _FakeSeq:
+    __slots__ = ("user_id", "arrival_no", "num_prompt_tokens", "num_prompt_tokens_served")
+
+    def __init__(self, user, arrival_no, n_prompt=10):
+        self.user_id, self.arrival_no, self.num_prompt_tokens, self.num_prompt_tokens_served = \
+            user, arrival_no, n_prompt, 0
+
+    def __repr__(self):
+        return f"_FakeSeq({self.user_id!r}, {self.arrival_no})"
+
+
+def test_many_users_and_a_deep_queue_keep_the_heap_small():
+    p = VTCPolicy()
+    n = 0
+    for round_ in range(50):
+        for u in range(200):
+            p.add(_FakeSeq(f"u{u}", n))
+            n += 1
+    for _ in range(3000):
+        q = next(iter(p.admission_order()))
+        p.remove(q)
+        p.on_service(q, 10, 0)
+    assert len(p) == n - 3000 and len(p._heap) <= 2 * 200 + 64
+    first = [q.user_id for q, _ in zip(p.admission_order(), range(200))]
+    assert len(set(first)) == 200  # one request per user before anyone's second (equal prompts)
+    assert statistics.pstdev([p.counter_tokens(f"u{u}") for u in range(200)]) <= 10
+
+
+def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
+    z3 = pytest.importorskip("z3")
+    s, k, c, u, w, m = z3.Ints("s k c u w m")
+    iso, was, back = z3.Bools("iso was back")
+    for f, args in [(fr.charged_counter, (c, u, w)), (fr.lifted_counter, (c, m, back)),
+                    (fr.protected_next, (was, u, w, c, m)), (fr.over_served, (u, w, c, m)),
+                    (fr.victim_before, (iso, u, back, c)), (fr.may_preempt, (u, k, c, m)),
+                    (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
+                    (fr.reserved_after, (u, k)), (fr.admission_wait_bound, (k, s, u)),
+                    (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
+                    (fr.new_prompt_tokens, (u, c, m, k)), (fr.isolation_pays, (u, c, m, w))]:
+        assert isinstance(f(*args), z3.ExprRef), f.__name__
+
+    def proved(claim):
+        solver = z3.Solver()
+        solver.add(z3.Not(claim))
+        return solver.check() == z3.unsat
+
+    # The sit-out streak stays within [0, K] (section 2 of docs/fairness.md).
+    assert proved(z3.Implies(z3.And(k >= 1, 0 <= s, s <= k, z3.Implies(iso, fr.sit_out_allowed(s, k))),
+                             z3.And(0 <= fr.next_streak(s, iso), fr.next_streak(s, iso) <= k)))
+    # Counters never decrease: a charge (units >= 0, weight >= 1) and the lift.
+    assert proved(z3.Implies(z3.And(u >= 0, w >= 1), fr.charged_counter(c, u, w) >= c))
+    assert proved(fr.lifted_counter(c, m, back) >= c)
