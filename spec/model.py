@@ -3,7 +3,7 @@
 The proofs in ``spec/verify.py`` reason about these models; the models do the scheduler's
 arithmetic by calling the very rule functions ``scheduler.py`` calls (``spec.rules``:
 ``growth_blocks``, ``can_allocate``, ``blocks_needed``, ``chunk_tokens``, ``produces_token``,
-``reached_length``), and their control flow mirrors ``Scheduler.schedule()`` and
+``reached_length``, and ``fairness_rules.can_admit``), and their control flow mirrors ``Scheduler.schedule()`` and
 ``Scheduler.update_from_output()`` line by line. Because they are written with ``spec.logic``
 only, the same model also runs on Python ints: ``tests/test_verify.py`` runs it side by side
 with the real ``Scheduler`` on random workloads and requires identical states after every
@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from spec import fairness_rules as fr
 from spec import lifecycle as lc
 from spec import rules
 from spec.invariants import (ABSENT, STATE_CODE, batch_kv_within_cap, batch_within_budget, chunk_within_limit,
@@ -152,7 +153,7 @@ class Step:
 def _grant(r: Req, free: Int, cfg: Cfg) -> Step:
     """``admit`` / ``resume``: the whole prompt (plus generated tokens) and the lookahead slot."""
     need = rules.blocks_needed(r.n, cfg.block_tokens)
-    return Step(rules.can_allocate(free, need), replace(r, st=PF, h=need, nc=0), free - need)
+    return Step(fr.can_admit(free, need, 0), replace(r, st=PF, h=need, nc=0), free - need)
 
 
 def _release(r: Req, free: Int, st: Int) -> Step:
@@ -209,6 +210,13 @@ class Choices:
         skip: per slot, the policy leaves this running request out of the batch this tick.
         backfill: admission passes a waiting request that does not fit and tries later ones.
         admit_after_preempt: admission runs even in a tick that preempted.
+        extra_blocks: per slot, blocks granted at admission beyond ``blocks_needed`` (``>= 0``;
+            a pinned request's worst case, ``Scheduler._admission_blocks``).
+        headroom: per slot, blocks admission must leave free (``>= 0``;
+            ``fairness_rules.growth_headroom_blocks``).
+        late_preempt: per slot, a running request preempted after admission (isolation
+            making room; its grant of this plan is undone).
+        revoke: per slot, an admission of this plan taken back (isolation, the backfill window).
         assumptions: constraints on the choice variables (filled in by ``tick``).
     """
 
@@ -216,6 +224,10 @@ class Choices:
     skip: Sequence[Bool] | None = None
     backfill: Bool = False
     admit_after_preempt: Bool = False
+    extra_blocks: Sequence[Int] | None = None
+    headroom: Sequence[Int] | None = None
+    late_preempt: Sequence[Bool] | None = None
+    revoke: Sequence[Bool] | None = None
     assumptions: list = field(default_factory=list)
 
 
@@ -298,8 +310,8 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
         consider = And(is_waiting(r.st), Not(stop))
         full = resident + n_admitted >= cfg.max_running
         no_budget = budget <= 0
-        need = rules.blocks_needed(r.n, B)
-        fits = rules.can_allocate(free, need)
+        need = rules.blocks_needed(r.n, B) + (ch.extra_blocks[j] if ch.extra_blocks is not None else 0)
+        fits = fr.can_admit(free, need, ch.headroom[j] if ch.headroom is not None else 0)
         admitted[j] = And(consider, Not(full), Not(no_budget), fits)
         stop = Or(stop, And(consider, Or(full, no_budget, And(Not(fits), Not(ch.backfill)))))
         n_new = rules.chunk_tokens(r.n, 0, cfg.chunk_tokens, budget)
@@ -308,6 +320,18 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
         free = free - If(admitted[j], need, 0)
         budget = budget - If(admitted[j], n_new, 0)
         n_admitted = n_admitted + If(admitted[j], one, zero)
+    # 2b. the policy may still preempt running requests or take admissions back (isolation)
+    for j, r in enumerate(reqs):
+        late = And(alive[j], ch.late_preempt[j]) if ch.late_preempt is not None else False
+        back = And(admitted[j], ch.revoke[j]) if ch.revoke is not None else False
+        free = free + If(late, r.h + If(granted[j], got[j], 0), 0) + If(back, got[j], 0)
+        budget = budget + If(Or(And(late, granted[j]), back), k[j], 0)
+        k[j] = If(Or(late, back), 0, k[j])
+        got[j] = If(Or(late, back), 0, got[j])
+        alive[j] = And(alive[j], Not(late))
+        granted[j] = And(granted[j], Not(late))
+        preempted[j] = Or(preempted[j], late)
+        admitted[j] = And(admitted[j], Not(back))
     # 3. forward, then update_from_output
     in_batch = [Or(granted[j], admitted[j]) for j in range(R)]
     out: list[Req] = []

@@ -109,9 +109,11 @@ class Trace:
         knobs = ", ".join(f"{k}={v}" for k, v in self.cfg.items())
         return "\n".join([
             "from inference_stub import Request",
+            "from policy import FCFSPolicy",
             "from scheduler import Scheduler",
             "from spec.verify import EosBackend",
-            f"sched = Scheduler({knobs}, backend=EosBackend({eos!r}), check_invariants=True)",
+            f"sched = Scheduler({knobs}, {FCFS_SOURCE},",
+            f"                  backend=EosBackend({eos!r}), check_invariants=True)",
             f"arrivals = {arrivals!r}  # tick -> [(request_id, prompt_tokens, max_tokens)]",
             f"for t in range({self.ticks}):",
             "    for rid, p, m in arrivals.get(t, []):",
@@ -121,7 +123,7 @@ class Trace:
         ])
 
     def replay(self, **scheduler_kwargs: Any) -> dict[str, Any]:
-        """Run the trace on the real ``Scheduler`` (``check_invariants=True``).
+        """Run the trace on the real ``Scheduler`` (FCFS as modelled, ``check_invariants=True``).
 
         Returns:
             ``{"finished": {request_id: tick}, "states": {request_id: lifecycle state at the
@@ -132,7 +134,7 @@ class Trace:
         from scheduler import Scheduler  # noqa: PLC0415
 
         eos = {rid: e for _, rid, _, _, e in self.requests if e}
-        kw = dict(self.cfg, backend=EosBackend(eos), check_invariants=True) | scheduler_kwargs
+        kw = dict(self.cfg, backend=EosBackend(eos), check_invariants=True) | fcfs_kwargs() | scheduler_kwargs
         sched = Scheduler(**kw)
         finished: dict[str, int] = {}
         error = None
@@ -223,6 +225,19 @@ def register(name: str, prop: str) -> Callable[[Callable[[Options], Outcome]], C
         CHECKS[name] = Check(name, prop, f)
         return f
     return deco
+
+
+#: ``Scheduler`` keyword arguments (beyond the knobs) of the FCFS scheduler the bounded models
+#: describe: vLLM V1's rule exactly, without the defaults' pinning after ``max_preemptions``
+#: and aging reservation (their bounds are ``spec/verify_fairness.py``'s).
+FCFS_SOURCE = "policy=FCFSPolicy(), max_preemptions=None, aging_ticks=10**9"
+
+
+def fcfs_kwargs() -> dict[str, Any]:
+    """``FCFS_SOURCE`` as keyword arguments (a fresh policy each call)."""
+    from policy import FCFSPolicy  # noqa: PLC0415
+
+    return {"policy": FCFSPolicy(), "max_preemptions": None, "aging_ticks": 10**9}
 
 
 class EosBackend:
@@ -378,10 +393,18 @@ def check_kv_cap_per_transition(opts: Options) -> Outcome:
 
 
 def _any_policy(R: int, tag: str = "") -> Choices:
+    """Every choice a policy (or the isolation layer) can make, as free variables."""
     z3 = _z3()
-    return Choices(victim=lambda i, a, alive: z3.Int(f"victim_{tag}{i}_{a}"),
-                   skip=[z3.Bool(f"skip_{tag}{j}") for j in range(R)],
-                   backfill=z3.Bool(f"backfill{tag}"), admit_after_preempt=z3.Bool(f"admit_after_preempt{tag}"))
+    extra = [z3.Int(f"extra_blocks_{tag}{j}") for j in range(R)]
+    headroom = [z3.Int(f"headroom_{tag}{j}") for j in range(R)]
+    ch = Choices(victim=lambda i, a, alive: z3.Int(f"victim_{tag}{i}_{a}"),
+                 skip=[z3.Bool(f"skip_{tag}{j}") for j in range(R)],
+                 backfill=z3.Bool(f"backfill{tag}"), admit_after_preempt=z3.Bool(f"admit_after_preempt{tag}"),
+                 extra_blocks=extra, headroom=headroom,
+                 late_preempt=[z3.Bool(f"late_preempt_{tag}{j}") for j in range(R)],
+                 revoke=[z3.Bool(f"revoke_{tag}{j}") for j in range(R)])
+    ch.assumptions += [x >= 0 for x in extra + headroom]
+    return ch
 
 
 @register("kv_cap_tick",
@@ -425,13 +448,16 @@ def check_kv_cap_tick(opts: Options) -> Outcome:
 
 @dataclass
 class Run:
-    """A symbolic bounded run: ``states[t]`` is the state fed to tick ``t`` (after its arrivals);
-    ``states[depth]`` the state after the last tick."""
+    """A symbolic bounded run: ``before[t]`` is the state fed to tick ``t`` (after the
+    submits before it), ``after[t]`` the state that tick leaves (before the next submits);
+    ``free_before`` / ``free_after`` the free blocks then."""
 
     cfg: Cfg
     reqs0: list[Req]
-    states: list[tuple[Req, ...]]
-    frees: list[Any]
+    before: list[tuple[Req, ...]]
+    free_before: list[Any]
+    after: list[tuple[Req, ...]]
+    free_after: list[Any]
     results: list[model.TickResult]
     assumptions: list[Any]
 
@@ -472,17 +498,17 @@ def unroll(opts: Options, *, fcfs: bool = True) -> Run:
             asm.append(reqs[j - 1].arrival <= r.arrival)
     cur: tuple[Req, ...] = tuple(reqs)
     free: Any = zero + cfg.cap_blocks
-    states, frees, results = [], [], []
+    run = Run(cfg, reqs, [], [], [], [], [], asm)
     for t in range(K):
         cur = model.arrive(cur, t)
-        states.append(cur)
-        frees.append(free)
+        run.before.append(cur)
+        run.free_before.append(free)
         res = model.tick(cur, free, cfg, None if fcfs else _any_policy(R, f"t{t}_"))
-        results.append(res)
+        run.results.append(res)
         cur, free = _fresh(res.reqs, res.free_blocks, f"t{t + 1}", asm, var)
-    states.append(cur)
-    frees.append(free)
-    return Run(cfg, reqs, states, frees, results, asm)
+        run.after.append(cur)
+        run.free_after.append(free)
+    return run
 
 
 def _fresh(reqs: Sequence[Req], free: Any, tag: str, asm: list, var: Callable[[str], Any]) -> tuple[tuple[Req, ...], Any]:
@@ -506,11 +532,11 @@ def _trace(m: Any, run: Run, opts: Options, violated: list[str], ticks: int, exp
     states = []
     for t in range(1, ticks + 1):
         parts = []
-        for j, r in enumerate(run.states[t]):
+        for j, r in enumerate(run.after[t - 1]):
             st = _val(m, r.st)
             if st != ABSENT:
                 parts.append(f"r{j}: {CODE_STATE[st]} {_val(m, r.g)}/{_val(m, r.nc)}/{_val(m, r.h)}")
-        states.append(f"after tick {t - 1}: free {_val(m, run.frees[t])}; " + "; ".join(parts))
+        states.append(f"after tick {t - 1}: free {_val(m, run.free_after[t - 1])}; " + "; ".join(parts))
     cfg = {"kv_cap_blocks": opts.bmc_cap_blocks, "block_tokens": opts.bmc_block_tokens,
            "prefill_chunk_tokens": opts.bmc_chunk_tokens, "token_budget_tokens": opts.bmc_budget_tokens,
            "max_running": opts.bmc_max_running}
@@ -532,7 +558,8 @@ def check_kv_cap_bmc(opts: Options) -> Outcome:
     bound = _bmc_bound(opts)
     goals = []
     for t in range(1, opts.bmc_depth + 1):
-        goals += [(f"{n} (after tick {t - 1})", g) for n, g in model.system_named(run.states[t], run.frees[t], run.cfg)]
+        goals += [(f"{n} (after tick {t - 1})", g)
+                  for n, g in model.system_named(run.after[t - 1], run.free_after[t - 1], run.cfg)]
         goals += [(f"{n} (tick {t - 1})", g) for n, g in run.results[t - 1].facts]
     status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
     if status == "counterexample":
@@ -564,11 +591,11 @@ def check_no_starvation_fcfs(opts: Options) -> Outcome:
     targets = {}
     for j, r in enumerate(run.reqs0):
         for t0 in range(K):
-            live_older = [Or(is_waiting(run.states[t0][q].st), is_resident(run.states[t0][q].st)) for q in range(j)]
+            live_older = [Or(is_waiting(run.before[t0][q].st), is_resident(run.before[t0][q].st)) for q in range(j)]
             older = Sum([If(live_older[q], T[q], 0) for q in range(j)])
             adm_by, fin_by = t0 + older + 1, t0 + older + T[j]
             for t1 in range(t0 + 1, K + 1):
-                s = run.states[t1][j]
+                s = run.after[t1 - 1][j]
                 ever = Or(is_resident(s.st), is_final(s.st), s.pre >= 1)
                 name_a = f"r{j} submitted before tick {t0} admitted by tick {t1 - 1}"
                 name_f = f"r{j} submitted before tick {t0} finished by tick {t1 - 1}"

@@ -1,10 +1,11 @@
 """Stateful property tests: Hypothesis drives the real Scheduler beside a deliberately simple
 reference model and checks every spec invariant after every step.
 
-Each run is a program of submits (valid, refused, duplicate), ticks and runs of ticks, over a
-small KV cache (8-16 blocks) so preemption is frequent, with a backend that returns EOS at a
-chosen output position or never. A failure prints the program as replayable Python
-(``state = SchedulerMachine(); state.setup(...); state.submit(...); state.tick(); ...``).
+Each run is a program of submits (valid, refused, duplicate), aborts, ticks and runs of
+ticks, over a small KV cache (8-16 blocks) so preemption is frequent, with a backend that
+returns EOS at a chosen output position or never, under FCFS as the proofs model it or under
+the scheduler's default policy (VTC with isolation, pinning and aging). A failure prints the
+program as replayable Python (``state = SchedulerMachine(); state.setup(...); ...``).
 
 Steps per run and runs: ``BATCH_STATEFUL_STEPS`` (200) and ``BATCH_STATEFUL_EXAMPLES`` (50);
 ``make verify`` raises both.
@@ -22,12 +23,15 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from conftest import StepClock
 from inference_stub import Request
-from policy import FCFSPolicy
 from scheduler import DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
 from spec import invariants as inv
 from spec import model, rules
+from spec.verify import fcfs_kwargs
 
 STEPS = int(os.environ.get("BATCH_STATEFUL_STEPS", "200"))
+#: A drain under the default policy may take this many times the FCFS bound (plus a constant):
+#: a generous liveness check; the policy's own bounds are spec/verify_fairness.py's.
+DRAIN_SLACK = 4
 EXAMPLES = int(os.environ.get("BATCH_STATEFUL_EXAMPLES", "50"))
 EOS = 0
 
@@ -70,14 +74,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
                 chunk_tokens=st.sampled_from([8, 64]), budget_tokens=st.sampled_from([0, 24]),
-                max_running=st.sampled_from([256, 3]))
+                max_running=st.sampled_from([256, 3]), fcfs=st.booleans())
     def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
-              max_running: int) -> None:
-        """``budget_tokens=0`` means the default budget (the cache's capacity in tokens)."""
+              max_running: int, fcfs: bool) -> None:
+        """``budget_tokens=0`` means the default budget (the cache's capacity in tokens);
+        ``fcfs``: FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``), else the defaults."""
         self.backend = RecordingBackend(block_tokens)
+        self.fcfs = fcfs
         self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens, prefill_chunk_tokens=chunk_tokens,
                                token_budget_tokens=budget_tokens or None, max_running=max_running,
-                               backend=self.backend, clock=StepClock(), policy=FCFSPolicy(), check_invariants=True)
+                               backend=self.backend, clock=StepClock(), check_invariants=True,
+                               **(fcfs_kwargs() if fcfs else {}))
         self.chunk_eff = min(chunk_tokens, self.sched.token_budget_tokens)
         self.ticks = 0
         self.next_id = 0
@@ -130,6 +137,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.submit(Request(user_id="x", prompt=[1], max_tokens=1, request_id=rid))
         assert self._observable() == before
 
+    @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
+    @rule(data=st.data(), by_id=st.booleans())
+    def abort(self, data: st.DataObject, by_id: bool) -> None:
+        live = sorted(q for q in self.accepted if q not in self.returned)
+        rid = data.draw(st.sampled_from(live), label="rid")
+        req = self.accepted[rid]
+        assert self.sched.abort(rid if by_id else req) is req
+        self.returned.add(rid)
+        g = req.generated
+        assert EOS not in g and g == [token_at(rid, k) for k in range(1, len(g) + 1)]
+        assert self.sched.abort(rid) is None  # once only
+
     @rule()
     def tick(self) -> None:
         calls = self.backend.calls
@@ -168,7 +187,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def fcfs_order_and_deadlines(self) -> None:
-        if self.sched is None:
+        if self.sched is None or not self.fcfs:
             return
         order = [s.arrival_no for s in self.sched.running] + [s.arrival_no for s in self.sched.policy.admission_order()]
         assert inv.arrival_ordered(order), f"running + waiting not in arrival order: {order}"
@@ -179,7 +198,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.sched is None or self.step_failed:
             return
+        limit = self.ticks + 1000 + DRAIN_SLACK * sum(
+            model.fcfs_service_ticks(len(r.prompt), r.max_tokens, self.chunk_eff)
+            for q, r in self.accepted.items() if q not in self.returned)
         while self.sched.has_active():  # drain: the FCFS deadlines bound how long this takes
+            assert self.ticks < limit, f"did not drain by tick {limit}"
             self.tick()
             self.fcfs_order_and_deadlines()
         assert self.returned == set(self.accepted), "an accepted request was never returned"

@@ -11,6 +11,7 @@ from conftest import ScriptedBackend, make_req
 import policy
 import scheduler
 from kv_cache import BlockPool
+from spec import fairness_rules as fr
 from scheduler import InvariantViolation, Scheduler
 from spec import invariants as inv
 from spec import model, rules, verify
@@ -70,7 +71,8 @@ def _model_vs_scheduler(rng: random.Random) -> int:
                    for _ in range(rng.randint(1, 5)))
     be = ScriptedBackend(eos_at={f"r{j}": e for j, (_, _, _, e) in enumerate(specs) if e}, block_tokens=B)
     s = Scheduler(kv_cap_blocks=C, block_tokens=B, prefill_chunk_tokens=cfg.chunk_tokens,
-                  token_budget_tokens=cfg.budget_tokens, max_running=cfg.max_running, backend=be)
+                  token_budget_tokens=cfg.budget_tokens, max_running=cfg.max_running, backend=be,
+                  **verify.fcfs_kwargs())
     reqs = tuple(model.Req(inv.ABSENT, p, m, e, arrival=a) for a, p, m, e in specs)
     free, records = C, [None] * len(specs)
     for t in range(40):
@@ -117,28 +119,31 @@ class _BigPool(BlockPool):
 
 
 PLANTS = {
-    # name: (rules attribute, bugged function, {z3 check: the property (or properties) its
+    # name: (module, attribute, bugged function, {z3 check: the property (or properties) its
     # counterexample must name}, the property the runtime check or stateful test names; for the
     # dropped guard it is the block pool, which refuses to hand out more than the cap)
-    "admission guard dropped": ("can_allocate", lambda free, need: True,
+    "admission guard dropped": (fr, "can_admit", lambda free, need, headroom: True,
                                 {"kv_cap_per_transition": "kv_within_cap", "kv_cap_tick": "kv_within_cap",
                                  "kv_cap_bmc": ("kv_within_cap", "batch_kv_within_cap")}, "plan granted"),
-    "growth dropped": ("growth_blocks", lambda held, n, B: 0,
+    "growth dropped": (rules, "growth_blocks", lambda held, n, B: 0,
                        {"kv_cap_per_transition": "resident_covered", "kv_cap_tick": "resident_covered",
                         "kv_cap_bmc": "resident_covered"}, "resident_covered"),
-    "lookahead slot removed": ("blocks_needed", lambda n, B: rules.blocks_for(n, B),
+    "lookahead slot removed": (rules, "blocks_needed", lambda n, B: rules.blocks_for(n, B),
+                               # prompt_fits uses blocks_needed too: a prompt filling the cache is let in
                                {"kv_cap_per_transition": "resident_covered", "kv_cap_tick": "resident_covered",
-                                "kv_cap_bmc": "resident_covered"}, "resident_covered"),
-    "chunk cap dropped": ("chunk_tokens", lambda n, nc, chunk, budget: Min(n - nc, budget),
+                                "kv_cap_bmc": ("resident_covered", "live_below_limits")},
+                               ("resident_covered", "live_below_limits")),
+    "chunk cap dropped": (rules, "chunk_tokens", lambda n, nc, chunk, budget: Min(n - nc, budget),
                           {"kv_cap_per_transition": "chunk_within_limit", "kv_cap_tick": "chunk_within_limit",
                            "kv_cap_bmc": "chunk_within_limit"}, "chunk_within_limit"),
-    "max_tokens ignored": ("reached_length", lambda g, M, n, max_len: n >= max_len,
+    "max_tokens ignored": (rules, "reached_length", lambda g, M, n, max_len: n >= max_len,
                            {"kv_cap_per_transition": "live_below_limits", "kv_cap_tick": "live_below_limits",
                             "kv_cap_bmc": "live_below_limits"}, "live_below_limits"),
-    "admission needs a spare block (starvation)": ("can_allocate", lambda free, need: need < free,
-                                                    {"no_starvation_fcfs": "r", "no_starvation_fcfs_inductive":
-                                                     ("oldest_admitted", "oldest_never_preempted",
-                                                      "oldest_progress")}, "FCFS bound"),
+    "admission needs a spare block (starvation)": (
+        fr, "can_admit", lambda free, need, headroom: need + headroom < free,
+        {"no_starvation_fcfs": "r",
+         "no_starvation_fcfs_inductive": ("oldest_admitted", "oldest_never_preempted", "oldest_progress")},
+        ("FCFS bound", "did not drain")),
 }
 
 
@@ -149,8 +154,8 @@ def _violated(r: verify.Result) -> list[str]:
 
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
-    attr, bug, expected, _ = PLANTS[plant]
-    monkeypatch.setattr(rules, attr, bug)
+    module, attr, bug, expected, _ = PLANTS[plant]
+    monkeypatch.setattr(module, attr, bug)
     results = run(*expected)
     for name, prop in expected.items():
         assert any(v.startswith(prop) for v in _violated(results[name])), (name, _violated(results[name]))
@@ -159,7 +164,7 @@ def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
         if isinstance(trace, verify.Trace):  # a bounded run: it replays on the real, bugged scheduler
             out = trace.replay()
             if trace.target is None:  # an invariant broke: the runtime check or the pool says so
-                assert isinstance(out["error"], AssertionError), (plant, out)
+                assert isinstance(out["error"], AssertionError), (plant, out, str(trace))
             else:
                 rid, what = trace.target
                 assert out["error"] is None
@@ -176,14 +181,15 @@ def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
 
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_planted_bug_fails_the_stateful_test(monkeypatch, plant):
-    attr, bug, _, runtime_prop = PLANTS[plant]
-    monkeypatch.setattr(rules, attr, bug)
+    module, attr, bug, _, runtime_prop = PLANTS[plant]
+    monkeypatch.setattr(module, attr, bug)
     with pytest.raises((InvariantViolation, AssertionError)) as e:
         run_machine(steps=200, examples=40)
+    expected = runtime_prop if isinstance(runtime_prop, tuple) else (runtime_prop,)
     if isinstance(e.value, InvariantViolation):
-        assert e.value.property == runtime_prop
+        assert e.value.property in expected
     else:
-        assert runtime_prop in str(e.value)
+        assert any(x in str(e.value) for x in expected), str(e.value)[:300]
 
 
 def test_eos_ignored_fails_z3_and_the_stateful_test(monkeypatch):
@@ -208,7 +214,7 @@ def test_pool_larger_than_the_cap_fails_the_runtime_check(monkeypatch):
 
 def test_request_in_two_places_fails_the_runtime_check(monkeypatch):
     monkeypatch.setattr(policy.FCFSPolicy, "remove", lambda self, seq: None)  # admitted but still queued
-    s = Scheduler(backend=ScriptedBackend(), check_invariants=True)
+    s = Scheduler(backend=ScriptedBackend(), check_invariants=True, policy=policy.FCFSPolicy())
     s.submit(make_req("a"))
     with pytest.raises(InvariantViolation) as e:
         s.tick()
