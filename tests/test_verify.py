@@ -169,12 +169,12 @@ def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
                 rid, what = trace.target
                 assert out["error"] is None
                 assert out["states"][rid] == "queued" if what == "admitted" else rid not in out["finished"]
-    monkeypatch.undo()  # without the bug the same runs are fine
+    monkeypatch.undo()  # without the bug the same runs are fine (or refuse what only the bug let in)
     for r in results.values():
         trace = r.outcome.counterexample
         if isinstance(trace, verify.Trace):
             out = trace.replay()
-            assert out["error"] is None
+            assert out["error"] is None or isinstance(out["error"], scheduler.PromptTooLongError), out
             if trace.target is not None and trace.target[1] == "finished":
                 assert trace.target[0] in out["finished"]
 
