@@ -3,8 +3,8 @@
 The proofs in ``spec/verify.py`` reason about these models; the models do the scheduler's
 arithmetic by calling the very rule functions ``scheduler.py`` calls (``spec.rules``:
 ``growth_blocks``, ``can_allocate``, ``blocks_needed``, ``chunk_tokens``, ``produces_token``,
-``reached_length``, and ``fairness_rules.can_admit``), and their control flow mirrors ``Scheduler.schedule()`` and
-``Scheduler.update_from_output()`` line by line. Because they are written with ``spec.logic``
+``reached_length``; ``fairness_rules.can_admit``), and their control flow mirrors
+``Scheduler.schedule()`` and ``Scheduler.update_from_output()`` line by line. Because they are written with ``spec.logic``
 only, the same model also runs on Python ints: ``tests/test_verify.py`` runs it side by side
 with the real ``Scheduler`` on random workloads and requires identical states after every
 tick, so a drift between model and code fails a test.

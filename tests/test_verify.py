@@ -41,6 +41,17 @@ def test_cli_prints_property_bound_result_and_time(capsys):
     assert verify.main(["--list"]) == 0 and "no_starvation_fcfs_inductive" in capsys.readouterr().out
 
 
+def test_a_counterexample_program_is_python_that_replays(capsys):
+    trace = verify.Trace({"kv_cap_blocks": 3, "block_tokens": 2, "prefill_chunk_tokens": 2, "token_budget_tokens": 4,
+                          "max_running": 256}, [(0, "r0", 3, 2, 0), (1, "r1", 1, 3, 2)], 6, ["demo"])
+    exec(compile(trace.program(), "<trace>", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    out = trace.replay()
+    assert out["error"] is None and sorted(out["finished"]) == ["r0", "r1"]
+    # r0 stops at max_tokens = 2, r1 at its EOS, the 2nd token: both print 2 tokens
+    assert printed == [f"tick {t} finished {rid} 2" for rid, t in sorted(out["finished"].items(), key=lambda x: x[1])]
+
+
 def test_registry_takes_new_checks(monkeypatch):
     monkeypatch.setitem(verify.CHECKS, "demo", verify.Check("demo", "1 + 1 == 2", lambda o: verify.Outcome(
         "proved", "none")))
