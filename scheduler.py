@@ -861,6 +861,10 @@ class Scheduler:
             raise InvalidRequestError(f"user_id must be a non-empty str, got {request.user_id!r}")
         if not isinstance(request.request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        if id(request) in self._by_obj:  # before field checks: an in-flight object has tokens
+            raise DuplicateRequestError(f"this Request object (request_id={request.request_id!r}) is already in flight")
+        if request.request_id and request.request_id in self._by_id:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
         mt = request.max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise InvalidRequestError(f"max_tokens must be an int >= 1, got {mt!r}")
@@ -880,10 +884,6 @@ class Scheduler:
                 f"prompt of {n} tokens needs {rules.blocks_needed(n, self.block_tokens)} KV blocks of "
                 f"{self.block_tokens} tokens with its first output token, but the cache holds "
                 f"{self.kv_cap_blocks} blocks (prompt must be < {self.max_model_len_tokens} tokens)")
-        if id(request) in self._by_obj:
-            raise DuplicateRequestError(f"this Request object (request_id={request.request_id!r}) is already in flight")
-        if request.request_id and request.request_id in self._by_id:
-            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
         return n
 
     @staticmethod

@@ -177,11 +177,15 @@ def test_duplicate_object_or_id_in_flight_refused():
     s.submit(r)
     with pytest.raises(DuplicateRequestError):
         s.submit(r)
+    s.tick()
+    assert r.generated  # in flight with tokens: still a duplicate, not a malformed request
+    with pytest.raises(DuplicateRequestError):
+        s.submit(r)
     with pytest.raises(DuplicateRequestError):
         s.submit(make_req("x"))
     s.submit(make_req(""))
     s.submit(make_req(""))  # empty ids never clash
-    assert len(drain(s)) == 3
+    assert len(drain(s)) == 3 and s.metrics()["refusals_by_reason"] == {"DuplicateRequestError": 3}
     s.submit(make_req("x"))  # finished ids may be reused
     assert len(drain(s)) == 1
 
