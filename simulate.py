@@ -213,6 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.kv_cap_blocks} blocks x "
           f"{s.block_tokens} tokens; prefill chunk {s.prefill_chunk_tokens}; policy {type(s.policy).__name__}")
     print(format_metrics(s.metrics(), res))
+    iso = getattr(s, "isolation", None)
+    if iso is not None and iso.model.ready:
+        a_s, per_req_s, per_tok_s = iso.model.coefficients()
+        print(f"learned iteration latency: {a_s * 1e3:.3f} ms + {per_req_s * 1e6:.1f} us/request + "
+              f"{per_tok_s * 1e6:.2f} us/token ({iso.model.observations} iterations observed)")
     if res.refused:
         r, e = res.refused[0]
         print(f"first refusal: {r.request_id}: {type(e).__name__}: {e}")
