@@ -268,6 +268,17 @@ def _solve(constraints: Sequence[Any], timeout_s: float) -> tuple[str, Any]:
     return "unknown", s.reason_unknown()
 
 
+def _outcome(status: str, info: Any, bound: str, counterexample: Callable[[Any, list[str]], Any],
+             proved: str = "unsat; assumptions sat") -> Outcome:
+    """Map a ``_prove`` answer to an ``Outcome``; ``counterexample(model, violated)`` builds the
+    counterexample when z3 found one."""
+    if status == "counterexample":
+        return Outcome("counterexample", bound, counterexample=counterexample(*info))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    return Outcome("proved", bound, proved)
+
+
 def _val(m: Any, t: Any) -> Any:
     z3 = _z3()
     if isinstance(t, (bool, int)):
@@ -426,8 +437,8 @@ def check_kv_cap_tick(opts: Options) -> Outcome:
              f"any policy choice (victim, skipped running requests, admission order, backfill, admission "
              f"after preemption)")
     status, info = _prove(pre, goals, opts.timeout_s)
-    if status == "counterexample":
-        m, bad = info
+
+    def cex(m: Any, bad: list[str]) -> StateCounterexample:
         values = _cfg_values(m, cfg) | {"free_blocks": _val(m, free)}
         for j, r in enumerate(reqs):
             values[f"slot {j}"] = _req_values(m, r)
@@ -437,10 +448,8 @@ def check_kv_cap_tick(opts: Options) -> Outcome:
                 f"{_val(m, ch.skip[j])} -> {_req_values(m, res.reqs[j])}")
         values["backfill"] = _val(m, ch.backfill)
         values["admit_after_preempt"] = _val(m, ch.admit_after_preempt)
-        return Outcome("counterexample", bound, counterexample=StateCounterexample("tick", bad, values))
-    if status != "proved":
-        return Outcome("unknown", bound, f"{status} {info or ''}")
-    return Outcome("proved", bound, "unsat; assumptions sat")
+        return StateCounterexample("tick", bad, values)
+    return _outcome(status, info, bound, cex)
 
 
 # ---------------------------------------------------------------- bounded runs from the empty state
@@ -562,15 +571,12 @@ def check_kv_cap_bmc(opts: Options) -> Outcome:
                   for n, g in model.system_named(run.after[t - 1], run.free_after[t - 1], run.cfg)]
         goals += [(f"{n} (tick {t - 1})", g) for n, g in run.results[t - 1].facts]
     status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
-    if status == "counterexample":
-        m, bad = info
+
+    def cex(m: Any, bad: list[str]) -> Trace:
         tick_of = {b: int(b.rsplit("tick ", 1)[1].rstrip(")")) for b in bad}
         first = min(tick_of.values())
-        bad = [b for b in bad if tick_of[b] == first]
-        return Outcome("counterexample", bound, counterexample=_trace(m, run, opts, bad, first + 1))
-    if status != "proved":
-        return Outcome("unknown", bound, f"{status} {info or ''}")
-    return Outcome("proved", bound, "unsat; assumptions sat")
+        return _trace(m, run, opts, [b for b in bad if tick_of[b] == first], first + 1)
+    return _outcome(status, info, bound, cex)
 
 
 # ---------------------------------------------------------------- (c) no starvation under FCFS
@@ -605,15 +611,13 @@ def check_no_starvation_fcfs(opts: Options) -> Outcome:
                 targets[name_f] = (t1, f"r{j} not finished after tick {t1 - 1}", (f"r{j}", "finished"))
     bound = _bmc_bound(opts) + "; deadlines beyond the depth are not checked"
     status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
-    if status == "counterexample":
-        m, bad = info
+
+    def cex(m: Any, bad: list[str]) -> Trace:
         ticks, expect, target = targets[bad[0]]
         trace = _trace(m, run, opts, [bad[0]], ticks, expect)
         trace.target = target
-        return Outcome("counterexample", bound, counterexample=trace)
-    if status != "proved":
-        return Outcome("unknown", bound, f"{status} {info or ''}")
-    return Outcome("proved", bound, "unsat; assumptions sat")
+        return trace
+    return _outcome(status, info, bound, cex)
 
 
 # ---------------------------------------------------------------- (c') no starvation, unbounded

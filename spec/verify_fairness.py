@@ -17,7 +17,7 @@ from typing import Any
 
 from spec import fairness_rules as fr
 from spec.logic import And, If, Implies, Min, Not, Or, Sum
-from spec.verify import Options, Outcome, StateCounterexample, _prove, _val, _z3, register
+from spec.verify import Options, Outcome, StateCounterexample, _outcome, _prove, _val, _z3, register
 
 #: ``(w_p, w_q)`` share weights of the two users in the counter-gap proof. Each divides
 #: ``COUNTER_SCALE`` (weights 1..16), so a charge has no rounding and the proof is exact.
@@ -222,15 +222,13 @@ def check_vtc_lift(opts: Options) -> Outcome:
              ("alone: keeps its own", Implies(Not(anyb), lifted == own))]
     status, info = _prove(pre, goals, opts.timeout_s)
     bound = f"unbounded counters, up to {n} other users"
-    if status == "counterexample":
-        mo, bad = info
+
+    def cex(mo: Any, bad: list[str]) -> StateCounterexample:
         values = {"own": _val(mo, own),
                   "others (counter, backlogged)": [(_val(mo, c), _val(mo, b)) for c, b in zip(cs, bl)],
                   "min_backlogged": _val(mo, m), "lifted": _val(mo, lifted)}
-        return Outcome("counterexample", bound, counterexample=StateCounterexample("lift", bad, values))
-    if status != "proved":
-        return Outcome("unknown", bound, f"{status} {info or ''}")
-    return Outcome("proved", bound, "unsat; assumptions sat")
+        return StateCounterexample("lift", bad, values)
+    return _outcome(status, info, bound, cex)
 
 
 # ---------------------------------------------------------------- 3. no starvation with aging
@@ -336,17 +334,14 @@ def check_no_starvation_aging(opts: Options) -> Outcome:
              f"slots, cap {AGING_CAP_BLOCKS} blocks of {AGING_BLOCK_TOKENS} tokens, any r (need <= cap), one "
              f"other admission per tick, backfill on or off")
     status, info = _prove(asm, goals, opts.timeout_s, split=False)
-    if status == "counterexample":
-        m, bad = info
+
+    def cex(m: Any, bad: list[str]) -> StateCounterexample:
         values: dict[str, Any] = {"need_r": _val(m, trace["need_r"]), "backfill": _val(m, trace["backfill"])}
         for t, s in enumerate(trace["ticks"]):
             values[f"after tick {t}"] = ", ".join(
                 f"{k} {[_val(m, x) for x in v] if isinstance(v, list) else _val(m, v)}" for k, v in s.items())
-        return Outcome("counterexample", bound,
-                       counterexample=StateCounterexample(f"run of {depth} ticks", bad[:1], values))
-    if status != "proved":
-        return Outcome("unknown", bound, f"{status} {info or ''}")
-    return Outcome("proved", bound, "unsat; assumptions sat")
+        return StateCounterexample(f"run of {depth} ticks", bad[:1], values)
+    return _outcome(status, info, bound, cex)
 
 
 # ---------------------------------------------------------------- 4. the sit-out bound
