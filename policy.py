@@ -35,8 +35,9 @@ class Policy(Protocol):
     def admission_order(self) -> Iterator[Any]:
         """Waiting requests in the order admission should try them (a snapshot)."""
 
-    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
-        """``seq`` had ``prompt_tokens`` of prompt processed and ``output_tokens`` generated."""
+    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """In one iteration, ``user_id``'s requests had ``prompt_tokens`` of prompt processed
+        (first time only) and ``output_tokens`` generated; called once per user per iteration."""
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
         """The request to preempt by recompute among ``running`` (non-empty)."""
@@ -76,7 +77,7 @@ class FCFSPolicy:
     def admission_order(self) -> Iterator[Any]:
         return iter(self._waiting)  # lazy: admission stops at the first request that does not fit
 
-    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
+    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
         return None
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
@@ -267,16 +268,16 @@ class VTCPolicy:
         """The counter in weighted tokens (``counter / COUNTER_SCALE``), for reports."""
         return self.counter(user) / fr.COUNTER_SCALE
 
-    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
-        """Charge ``seq``'s user: w_p per first-time prompt token, w_q per output token.
+    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """Charge ``user_id``: w_p per first-time prompt token, w_q per output token.
 
-        O(1), every request every tick: the tokens are added up and folded into the counter
-        (``service_units``, ``charged_counter``) when the counter is next read, once per user
-        rather than once per request.
+        O(1), once per user per iteration (the scheduler sums each user's tokens): the tokens
+        are added up and folded into the counter (``service_units``, ``charged_counter``) when
+        the counter is next read.
         """
-        acc = self._unfolded.get(seq.user_id)
+        acc = self._unfolded.get(user_id)
         if acc is None:
-            self._unfolded[seq.user_id] = [prompt_tokens, output_tokens]
+            self._unfolded[user_id] = [prompt_tokens, output_tokens]
         else:
             acc[0] += prompt_tokens
             acc[1] += output_tokens
@@ -464,7 +465,7 @@ class RoundRobinPolicy:
                     still.append(it)
             active = still
 
-    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
+    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
         return None
 
     def choose_victim(self, running: Sequence[Any]) -> Any:

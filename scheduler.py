@@ -17,13 +17,14 @@ the z3 proofs check.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import numbers
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import inference_stub
 from backend_api import batch_items
@@ -127,6 +128,7 @@ class _Seq:
     admitted_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
+    decode_entry: ScheduledSeq | None = None  # ScheduledSeq(self, 1, 0, False), built once, reused
 
     @property
     def num_output_tokens(self) -> int:
@@ -141,9 +143,9 @@ class _Seq:
         return self.req.request_id
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSeq:
-    """One request's share of an iteration.
+class ScheduledSeq(NamedTuple):
+    """One request's share of an iteration (immutable; a ``NamedTuple``, cheap to build per
+    request per tick).
 
     Attributes:
         seq: the scheduler's record.
@@ -194,6 +196,18 @@ class SchedulePlan:
     def requests(self) -> list[Request]:
         """The ``Request`` objects passed to ``forward``, in batch order."""
         return [s.seq.req for s in self.batch]
+
+
+_INT_TYPE = frozenset({int})
+_DECODE_GRANT = (1, 0)  # (num_new_tokens, new_blocks) of a decode on the fast path (rules.decode_ready)
+
+
+def _first_not_in(xs: list[Any], ys: list[Any]) -> Any:
+    """The first of ``xs`` not in ``ys`` (by identity), or None."""
+    if not xs:
+        return None
+    seen = {id(y) for y in ys}
+    return next((x for x in xs if id(x) not in seen), None)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -516,18 +530,30 @@ class Scheduler:
         budget = self.token_budget_tokens
         chunk = self.prefill_chunk_tokens
         B = self.block_tokens
-        grants: dict[_Seq, list[int]] = {}  # seq -> [num_new_tokens, new_blocks]
+        grants: dict[_Seq, Sequence[int]] = {}  # seq -> (num_new_tokens, new_blocks)
         order: list[_Seq] = []
         preempted: list[_Seq] = []
         pending: list[_Seq] = []  # scheduled requests prefilling toward their first token
         tick_no = self.stats.ticks
         live = list(self.running)  # resident requests not (yet) preempted in this plan
+        growth_blocks, can_allocate, chunk_tokens = rules.growth_blocks, rules.can_allocate, rules.chunk_tokens
+        decode_ready = rules.decode_ready
         i = 0
         while i < len(live):
             seq = live[i]
-            need = rules.growth_blocks(len(seq.block_table), seq.num_tokens, B)
+            num_tokens = seq.num_prompt_tokens + len(seq.req.generated)
+            if budget > 0 and decode_ready(len(seq.block_table), num_tokens, seq.num_computed_tokens, B):
+                # what growth_blocks, can_allocate and chunk_tokens give here (spec.verify: decode_fast_path)
+                grants[seq] = _DECODE_GRANT
+                order.append(seq)
+                budget -= 1
+                if num_tokens == seq.num_prompt_tokens:  # a 1-token last prompt chunk
+                    pending.append(seq)
+                i += 1
+                continue
+            need = growth_blocks(len(seq.block_table), num_tokens, B)
             preempted_self = False
-            while not rules.can_allocate(free, need):
+            while not can_allocate(free, need):
                 # Pinned requests are never victims; seq itself is not pinned (pinned ones never grow).
                 victim = self.policy.choose_victim([s for s in live if not s.pinned])
                 if not fr.may_preempt(victim.num_preemptions, self.max_preemptions, victim.admit_tick, tick_no):
@@ -548,13 +574,13 @@ class Scheduler:
                     i -= 1
             if preempted_self:
                 continue  # live[i] is now the next request
-            n = rules.chunk_tokens(seq.num_tokens, seq.num_computed_tokens, chunk, budget)
+            n = chunk_tokens(num_tokens, seq.num_computed_tokens, chunk, budget)
             if n > 0:
-                grants[seq] = [n, need]
+                grants[seq] = (n, need)
                 order.append(seq)
                 free -= need
                 budget -= n
-                if not seq.req.generated:
+                if num_tokens == seq.num_prompt_tokens:  # no output token yet
                     pending.append(seq)
             i += 1
 
@@ -589,7 +615,7 @@ class Scheduler:
                         break
                     continue
                 n = rules.chunk_tokens(seq.num_tokens, 0, chunk, budget)
-                grants[seq] = [n, need]
+                grants[seq] = (n, need)
                 admitted.append(seq)
                 free -= need
                 budget -= n
@@ -600,12 +626,23 @@ class Scheduler:
         if self.isolation is not None:
             d.aging_due = bool(blocked) and fr.reserved_after(blocked[0].blocked_ticks + 1, self.aging_ticks)
             self.isolation.refine(d, self)
-        adm = set(d.admitted)
-        batch = tuple(ScheduledSeq(s, d.grants[s][0], d.grants[s][1], s in adm) for s in d.order + d.admitted)
+        g = d.grants
+        entries: list[ScheduledSeq] = []
+        for s in d.order:
+            grant = g[s]
+            if grant is _DECODE_GRANT:  # the same entry every decode tick: build it once
+                e = s.decode_entry
+                if e is None:
+                    e = s.decode_entry = ScheduledSeq(s, 1, 0, False)
+            else:
+                e = ScheduledSeq(s, grant[0], grant[1], False)
+            entries.append(e)
+        entries += [ScheduledSeq(s, g[s][0], g[s][1], True) for s in d.admitted]
+        batch = tuple(entries)
         return SchedulePlan(batch=batch, preempted=tuple(d.preempted),
-                            num_batched_tokens=sum(s.num_new_tokens for s in batch),
+                            num_batched_tokens=sum([s.num_new_tokens for s in batch]),
                             free_blocks_after=d.free_blocks, admission_stop=d.stop, sat_out=tuple(d.sat_out),
-                            blocked=next((s for s in d.blocked if s not in adm), None), reserve=d.reserve,
+                            blocked=_first_not_in(d.blocked, d.admitted), reserve=d.reserve,
                             isolated=d.isolated, protected_updates=d.protected_updates)
 
     def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
@@ -674,49 +711,39 @@ class Scheduler:
             self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
         gone = set(plan.preempted)
         finished: list[Request] = []
-        for s, token in zip(plan.batch, tokens):
-            seq = s.seq
-            if s.admitted:
-                self.policy.remove(seq)
-                _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
-                seq.admit_no = self._admissions
-                self._admissions += 1
-                seq.admit_tick = tick_no
-                seq.pinned = fr.pinned(seq.num_preemptions, self.max_preemptions)
-                seq.blocked_ticks = 0
-                if seq.admitted_s is None:
-                    seq.admitted_s = start_s
-                self.running.append(seq)
-                self._enter_resident(seq)
-                self._leave_waiting(seq)
-                if seq is self._reserved:
-                    self._reserved = None
-            prompt_part = 0
-            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt chunk: charged once per request
-                prompt_part = fr.new_prompt_tokens(seq.num_computed_tokens, s.num_new_tokens, seq.num_prompt_tokens,
-                                                   seq.num_prompt_tokens_served)
-                seq.num_prompt_tokens_served = fr.prompt_high_water(
-                    seq.num_prompt_tokens_served, seq.num_computed_tokens, s.num_new_tokens, seq.num_prompt_tokens)
-            produced = rules.produces_token(seq.num_computed_tokens, s.num_new_tokens, seq.num_tokens)
-            seq.num_computed_tokens += s.num_new_tokens
-            if not produced:
-                self.policy.on_service(seq, prompt_part, 0)
-                continue
+        produces_token, reached_length = rules.produces_token, rules.reached_length
+        eos, max_len, prefilling = self.eos_token_id, self.max_model_len_tokens, lc.PREFILLING
+        itl = self.stats.itl_s if self.stats.record_itl else None
+        prompt_served: dict[str, int] = {}  # user -> first-time prompt tokens this iteration (VTC charges)
+        output_users: list[str] = []  # the user of each token produced this iteration
+        for (seq, num_new_tokens, _, admitted), token in zip(plan.batch, tokens):
+            if admitted:
+                self._admit(seq, tick_no, start_s)
+            nc = seq.num_computed_tokens
+            num_prompt = seq.num_prompt_tokens
             req = seq.req
+            num_tokens = num_prompt + len(req.generated)
+            if nc < num_prompt:  # a prompt chunk: charged once per request
+                part = fr.new_prompt_tokens(nc, num_new_tokens, num_prompt, seq.num_prompt_tokens_served)
+                prompt_served[seq.user_id] = prompt_served.get(seq.user_id, 0) + part
+                seq.num_prompt_tokens_served = fr.prompt_high_water(
+                    seq.num_prompt_tokens_served, nc, num_new_tokens, num_prompt)
+            seq.num_computed_tokens = nc + num_new_tokens
+            if not produces_token(nc, num_new_tokens, num_tokens):
+                continue
             req.generated.append(int(token))
-            self.policy.on_service(seq, prompt_part, 1)
+            output_users.append(seq.user_id)
             if req.started_at is None:
                 req.started_at = now
-            elif seq.last_token_s is not None:
-                self.stats.on_itl(now - seq.last_token_s)
+            elif itl is not None and seq.last_token_s is not None:
+                itl.append(now - seq.last_token_s)
             seq.last_token_s = now
-            reason = None
-            if token == self.eos_token_id:
+            if token == eos:
                 reason = "stop"
-            elif rules.reached_length(len(req.generated), req.max_tokens, seq.num_tokens, self.max_model_len_tokens):
+            elif reached_length(num_tokens - num_prompt + 1, req.max_tokens, num_tokens + 1, max_len):
                 reason = "length"
-            if reason is None:
-                if seq.state == lc.PREFILLING:
+            else:
+                if seq.state == prefilling:
                     _EVENTS["prefill_done"].trigger(seq)
                 continue
             pool.free(seq.block_table)
@@ -731,6 +758,9 @@ class Scheduler:
             self.stats.on_finish(user_id=seq.user_id, reason=reason, submitted_s=req.submitted_at,
                                  first_token_s=req.started_at, admitted_s=seq.admitted_s, completed_s=now,
                                  prompt_tokens=seq.num_prompt_tokens, output_tokens=len(req.generated))
+        output_by_user = collections.Counter(output_users)
+        for user_id in prompt_served.keys() | output_by_user.keys():
+            self.policy.on_service(user_id, prompt_served.get(user_id, 0), output_by_user[user_id])
         if gone:
             self.running = [s for s in self.running if s not in gone]
         if plan.reserve is not None and plan.reserve.state in lc.WAITING_STATES:
@@ -824,6 +854,23 @@ class Scheduler:
                                                   self.max_model_len_tokens, self.block_tokens))
         return need
 
+    def _admit(self, seq: _Seq, tick_no: int, start_s: float) -> None:
+        """``seq`` leaves the waiting queue for the running list (admission or resume)."""
+        self.policy.remove(seq)
+        _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
+        seq.admit_no = self._admissions
+        self._admissions += 1
+        seq.admit_tick = tick_no
+        seq.pinned = fr.pinned(seq.num_preemptions, self.max_preemptions)
+        seq.blocked_ticks = 0
+        if seq.admitted_s is None:
+            seq.admitted_s = start_s
+        self.running.append(seq)
+        self._enter_resident(seq)
+        self._leave_waiting(seq)
+        if seq is self._reserved:
+            self._reserved = None
+
     def _enter_resident(self, seq: _Seq) -> None:
         c = self._resident_by_user.get(seq.user_id, 0)
         if c == 0:
@@ -892,6 +939,8 @@ class Scheduler:
             n = len(tokens) if isinstance(tokens, (list, tuple)) else type(tokens).__name__
             raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}",
                                [r.request_id for r in batch])
+        if set(map(type, tokens)) <= _INT_TYPE:  # the common case, checked at C speed
+            return
         for t in tokens:
             if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral)):
                 raise BackendError(f"forward returned a non-int token {t!r}", [r.request_id for r in batch])

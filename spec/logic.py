@@ -26,11 +26,21 @@ def _z3():
 
 def And(*xs: Any) -> Any:
     """Conjunction of booleans or z3 formulas."""
+    for x in xs:
+        if x is not True and x is not False:
+            break
+    else:  # plain booleans (the scheduler's case, per request per tick)
+        return False not in xs
     return _z3().And(*xs) if _is_z3(*xs) else all(xs)
 
 
 def Or(*xs: Any) -> Any:
     """Disjunction of booleans or z3 formulas."""
+    for x in xs:
+        if x is not True and x is not False:
+            break
+    else:  # plain booleans (the scheduler's case, per request per tick)
+        return True in xs
     return _z3().Or(*xs) if _is_z3(*xs) else any(xs)
 
 
@@ -55,16 +65,22 @@ def If(c: Any, a: Any, b: Any) -> Any:
 
 def Min(a: Any, b: Any) -> Any:
     """The smaller of two integers."""
+    if type(a) is int and type(b) is int:  # the scheduler's case, per request per tick
+        return a if a <= b else b
     return If(a <= b, a, b)
 
 
 def Max(a: Any, b: Any) -> Any:
     """The larger of two integers."""
+    if type(a) is int and type(b) is int:
+        return a if a >= b else b
     return If(a >= b, a, b)
 
 
 def cdiv(a: Any, b: Any) -> Any:
     """Ceiling division ``ceil(a / b)`` for ``b > 0`` (z3 ``Int`` or bit-vector terms, or ints)."""
+    if type(a) is int and type(b) is int:
+        return -(-a // b)
     if _is_z3(a, b):
         z3 = _z3()
         q = a + b - 1

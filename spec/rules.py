@@ -66,6 +66,18 @@ def chunk_tokens(num_tokens: Int, num_computed_tokens: Int, chunk_tokens_max: In
     return Min(Min(chunk_tokens_max, num_tokens - num_computed_tokens), budget_left_tokens)
 
 
+def decode_ready(held_blocks: Int, num_tokens: Int, num_computed_tokens: Int, block_tokens: Int) -> Any:
+    """A resident request's next step is a plain decode: one token left to compute, and its
+    block table already holds the slot for the token this iteration produces.
+
+    A fast-path guard, not a new rule: ``spec.verify`` (check ``decode_fast_path``) proves
+    that when it holds (and the token budget and the chunk size are at least 1)
+    ``growth_blocks`` is 0, ``chunk_tokens`` is 1 and the growth guard passes, so the
+    scheduler may skip computing them for the common decode.
+    """
+    return And(num_computed_tokens + 1 == num_tokens, num_tokens + 1 <= held_blocks * block_tokens)
+
+
 def produces_token(num_computed_tokens: Int, num_new_tokens: Int, num_tokens: Int) -> Any:
     """The iteration's token is kept (appended) iff it computes the request's last known token."""
     return num_computed_tokens + num_new_tokens == num_tokens

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from spec import lifecycle as lc
-from spec import model
+from spec import model, rules
 from spec.invariants import ABSENT, STATE_CODE, fcfs_order, is_final, is_resident, is_waiting
 from spec.logic import And, If, Implies, Not, Or, Sum
 from spec.model import Cfg, Choices, Req
@@ -450,6 +450,31 @@ def check_kv_cap_tick(opts: Options) -> Outcome:
         values["admit_after_preempt"] = _val(m, ch.admit_after_preempt)
         return StateCounterexample("tick", bad, values)
     return _outcome(status, info, bound, cex)
+
+
+@register("decode_fast_path",
+          "the scheduler's decode fast path is the rule: when rules.decode_ready holds (budget and chunk "
+          ">= 1), growth_blocks is 0, chunk_tokens is 1 and can_allocate(free, 0) holds, so skipping them "
+          "changes no plan")
+def check_decode_fast_path(opts: Options) -> Outcome:
+    """One resident request in any state of the inductive invariant's ranges."""
+    z3 = _z3()
+    held, n, nc, chunk, budget, free = z3.Ints("held_blocks num_tokens num_computed_tokens chunk_tokens "
+                                              "budget_left_tokens free_blocks")
+    B = opts.block_tokens
+    pre = [held >= 0, n >= 1, nc >= 0, nc <= n, chunk >= 1, budget >= 1, free >= 0,
+           rules.decode_ready(held, n, nc, B)]
+    goals = [("growth_is_zero", rules.growth_blocks(held, n, B) == 0),
+             ("one_token", rules.chunk_tokens(n, nc, chunk, budget) == 1),
+             ("growth_guard_passes", rules.can_allocate(free, 0))]
+    status, info = _prove(pre, goals, opts.timeout_s)
+
+    def cex(m: Any, bad: list[str]) -> StateCounterexample:
+        return StateCounterexample("decode fast path", bad, {
+            "held_blocks": _val(m, held), "num_tokens": _val(m, n), "num_computed_tokens": _val(m, nc),
+            "prefill_chunk_tokens": _val(m, chunk), "budget_left_tokens": _val(m, budget),
+            "free_blocks": _val(m, free), "block_tokens": B})
+    return _outcome(status, info, f"unbounded (any tokens, blocks, chunk, budget; B = {B})", cex)
 
 
 # ---------------------------------------------------------------- bounded runs from the empty state

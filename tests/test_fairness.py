@@ -347,10 +347,10 @@ def test_counter_charges_prompt_once_per_request_and_outputs_at_two():
 def test_lift_idle_user_to_the_smallest_backlogged_counter():
     p = VTCPolicy()
     p.add(_FakeSeq("a", 0))
-    p.on_service(_FakeSeq("a", 0), 100, 0)
+    p.on_service("a", 100, 0)
     p.add(_FakeSeq("c", 1))  # lifted to a's 100
-    p.on_service(_FakeSeq("c", 1), 0, 10)  # c: 120
-    p.on_service(_FakeSeq("b", 9), 10, 0)  # b served earlier: 10, not backlogged
+    p.on_service("c", 0, 10)  # c: 120
+    p.on_service("b", 10, 0)  # b served earlier: 10, not backlogged
     p.add(_FakeSeq("b", 2))
     assert p.counter_tokens("b") == 100  # max(10, min(100, 120))
     assert fr.lifted_counter(500, 100, True) == 500 and fr.lifted_counter(5, 100, False) == 5
@@ -406,7 +406,7 @@ def test_many_users_and_a_deep_queue_keep_the_heap_small():
     for _ in range(3000):
         q = next(iter(p.admission_order()))
         p.remove(q)
-        p.on_service(q, 10, 0)
+        p.on_service(q.user_id, 10, 0)
     assert len(p) == n - 3000 and len(p._heap) <= 2 * 200 + 64
     first = [q.user_id for q, _ in zip(p.admission_order(), range(200))]
     assert len(set(first)) == 200  # one request per user before anyone's second (equal prompts)

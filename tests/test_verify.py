@@ -110,6 +110,33 @@ def test_model_matches_the_scheduler_tick_by_tick():
     assert preemptions > 0  # the comparison covered preemption by recompute
 
 
+def _plans(seed: int) -> list[list[tuple[str, int, int, bool]]]:
+    """Every tick's plan (request, tokens, new blocks, admitted) for a seeded run under KV pressure."""
+    rng = random.Random(seed)
+    be = ScriptedBackend(eos_at={f"r{j}": rng.randint(1, 40) for j in range(0, 30, 3)}, block_tokens=4)
+    s = Scheduler(kv_cap_blocks=40, block_tokens=4, prefill_chunk_tokens=8, backend=be)
+    for j in range(30):
+        s.submit(make_req(f"r{j}", user=f"u{j % 3}", n_prompt=rng.randint(1, 30), max_tokens=rng.randint(1, 40)))
+    plans = []
+    while s.has_active():
+        s.tick()
+        plans.append([(e.seq.request_id, e.num_new_tokens, e.new_blocks, e.admitted) for e in s._last_tick[0].batch])
+    return plans
+
+
+def test_the_decode_fast_path_plans_what_the_rules_plan(monkeypatch):
+    """``rules.decode_ready`` lets ``schedule()`` skip growth_blocks / chunk_tokens for a plain
+    decode (proved by ``decode_fast_path``); turned off, every plan of the run is the same, and
+    it was taken for most decodes."""
+    calls = []
+    real = rules.decode_ready
+    monkeypatch.setattr(rules, "decode_ready", lambda *a: calls.append(real(*a)) or calls[-1])
+    fast = [_plans(seed) for seed in range(3)]
+    assert sum(calls) > len(calls) // 2
+    monkeypatch.setattr(rules, "decode_ready", lambda *a: False)
+    assert [_plans(seed) for seed in range(3)] == fast
+
+
 def test_model_drift_is_caught(monkeypatch):
     """A policy change the model does not know about (victim = oldest) must show up."""
     monkeypatch.setattr(policy.FCFSPolicy, "choose_victim", lambda self, running: min(running, key=lambda s: s.admit_no))
@@ -150,6 +177,9 @@ PLANTS = {
     "max_tokens ignored": (rules, "reached_length", lambda g, M, n, max_len: n >= max_len,
                            {"kv_cap_per_transition": "live_below_limits", "kv_cap_tick": "live_below_limits",
                             "kv_cap_bmc": "live_below_limits"}, "live_below_limits"),
+    "decode fast path ignores the lookahead slot": (
+        rules, "decode_ready", lambda held, n, nc, B: nc + 1 == n,
+        {"decode_fast_path": "growth_is_zero"}, "resident_covered"),
     "admission needs a spare block (starvation)": (
         fr, "can_admit", lambda free, need, headroom: need + headroom < free,
         {"no_starvation_fcfs": "r",
