@@ -13,6 +13,13 @@ from typing import Any, Iterator, Protocol, Sequence
 
 from spec import fairness_rules as fr
 
+#: Drain phase: VTC admits each user's longest waiting request first once the waiting requests
+#: number at most this fraction of the resident ones (``VTCPolicy.before_admission``).
+DRAIN_SHARE = (1, 2)
+#: In the drain phase a waiting request is passed by later arrivals of its user at most this
+#: many times; then it goes first again (no starvation).
+MAX_DRAIN_PASSES = 8
+
 
 class Policy(Protocol):
     """What the scheduler asks of a policy. ``seq`` arguments are the scheduler's records
@@ -41,6 +48,9 @@ class Policy(Protocol):
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
         """The request to preempt by recompute among ``running`` (non-empty)."""
+
+    # Optional: ``before_admission(resident_requests: int) -> None``, called by the scheduler
+    # before each admission pass with the number of resident requests (``VTCPolicy`` has it).
 
 
 class FCFSPolicy:
@@ -183,6 +193,13 @@ def _uncharged_prompt_tokens(seq: Any) -> int:
     return seq.num_prompt_tokens - getattr(seq, "num_prompt_tokens_served", 0)
 
 
+def remaining_iterations(seq: Any, chunk_tokens: int) -> int:
+    """Iterations a waiting request still needs at most: its prefill (or recompute) chunks of
+    ``chunk_tokens`` plus the decodes left to ``max_tokens`` (EOS may end it sooner)."""
+    left = seq.req.max_tokens - len(seq.req.generated)
+    return -(-seq.num_tokens // chunk_tokens) + max(0, left - 1)
+
+
 # ---------------------------------------------------------------- VTC
 
 
@@ -224,7 +241,8 @@ class VTCPolicy:
 
     def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
                  output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
-                 admission_headroom: bool = True) -> None:
+                 admission_headroom: bool = True, drain_longest_first: bool = True,
+                 prefill_chunk_tokens: int = 64) -> None:
         weights = dict(weights or {})
         for user, w in weights.items():
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -248,6 +266,10 @@ class VTCPolicy:
         self._ver: dict[str, int] = {}
         self._heap: list[list[Any]] = []  # [counter, last_admit, user_no, ver, user]; lazy
         self._admits = 0
+        self.drain_longest_first = drain_longest_first
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._drain = False  # set by before_admission: order each user's queue longest first
+        self._passes: dict[Any, int] = {}  # waiting request -> later arrivals admitted before it (drain)
 
     # -------------------------------------------------------- counters
 
@@ -296,6 +318,12 @@ class VTCPolicy:
             self._activate(seq.user_id)
 
     def remove(self, seq: Any) -> None:
+        if self._drain:  # an admission out of arrival order passes the user's older waiting requests
+            for q in self._q.iter_user(seq.user_id):
+                if q.arrival_no >= seq.arrival_no:
+                    break
+                self._passes[q] = self._passes.get(q, 0) + 1
+        self._passes.pop(seq, None)
         self._q.discard(seq)
         self._admits += 1
         self._last_admit[seq.user_id] = self._admits  # the key grows: the heap entry goes stale
@@ -341,6 +369,30 @@ class VTCPolicy:
             return top[0]
         return None
 
+    def before_admission(self, resident_requests: int) -> None:
+        """Called by the scheduler before each admission pass: enter or leave the drain phase.
+
+        In the drain phase (waiting requests <= ``DRAIN_SHARE`` of ``resident_requests``), each
+        user's waiting requests are offered longest first (``remaining_iterations``: prompt
+        chunks + ``max_tokens`` left), as LPT list scheduling does for makespan: the long
+        requests start while the batch is still full instead of running alone at the end of a
+        burst. Users are still ordered by counter, so the fair share is unchanged; a request
+        passed ``MAX_DRAIN_PASSES`` times by later arrivals of its user goes first again.
+        Outside the drain phase (a real backlog) each user's queue is first come, first served,
+        so the TTFT tail is unchanged.
+        """
+        num, den = DRAIN_SHARE
+        self._drain = self.drain_longest_first and self._q.n * den <= num * resident_requests
+
+    def _user_order(self, user: str) -> Iterator[Any]:
+        """The user's waiting requests in admission order (arrival order, or drain order)."""
+        it = self._q.iter_user(user)
+        if not self._drain:
+            return it
+        chunk, passes = self.prefill_chunk_tokens, self._passes
+        return iter(sorted(it, key=lambda q: (passes.get(q, 0) < MAX_DRAIN_PASSES,
+                                              -remaining_iterations(q, chunk), q.arrival_no)))
+
     def admission_order(self) -> Iterator[Any]:
         """Waiting requests in VTC order, lazily: smallest counter first, each user's oldest first.
 
@@ -370,7 +422,7 @@ class VTCPolicy:
                     continue
                 seen.add(user)
                 heappush(local, [self.counter(user), self._last_admit.get(user, 0), entry[2], user,
-                                 self._q.iter_user(user)])
+                                 self._user_order(user)])
             if not local:
                 return
             top = local[0]
@@ -388,13 +440,12 @@ class VTCPolicy:
     # -------------------------------------------------------- preemption
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
-        """The latest admitted request among those of users holding more than their weighted
-        fair share of the KV blocks held by ``running`` (``over_served`` by blocks); if no user
-        does (one user, or an exact tie), the latest admitted overall.
+        """A request of a user holding more than its weighted fair share of the KV blocks held
+        by ``running`` (``over_served`` by blocks), if any user does (else any request): among
+        those, the one preempted the fewest times, then the one with the fewest computed tokens
+        (the least recompute lost), then the latest admitted (``spec.fairness_rules.victim_before``).
 
-        The most-served user's newest request is among the candidates; taking the newest of
-        all over-served users' requests loses the least recompute (``docs/fairness.md``,
-        section 3) and never preempts a user below its share.
+        Never preempts a user below its share (``docs/fairness.md``, section 3).
         """
         blocks: dict[str, int] = {}
         for s in running:
@@ -404,7 +455,9 @@ class VTCPolicy:
         over = {u for u, b in blocks.items() if fr.over_served(b, self.weight_of(u), total, total_w)}
         best = None
         for s in running:
-            if best is None or fr.victim_before(s.user_id in over, s.admit_no, best.user_id in over, best.admit_no):
+            if best is None or fr.victim_before(s.user_id in over, s.num_preemptions, s.num_computed_tokens, s.admit_no,
+                                                best.user_id in over, best.num_preemptions,
+                                                best.num_computed_tokens, best.admit_no):
                 best = s
         return best
 

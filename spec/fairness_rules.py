@@ -112,11 +112,22 @@ def protected_next(was_protected: Bool, demand: Int, weight: Int, total_count: I
     return Or(enter, And(Not(leave), was_protected))
 
 
-def victim_before(over_a: Bool, admit_a: Int, over_b: Bool, admit_b: Int) -> Bool:
-    """Request a is preempted before request b: a request of a user holding more than its
-    weighted fair share of the KV blocks (``over_served`` by blocks) goes first, then the
-    latest admitted (``admit_*`` is the admission sequence number)."""
-    return Or(And(over_a, Not(over_b)), And(over_a == over_b, admit_a > admit_b))
+def victim_before(over_a: Bool, preempts_a: Int, computed_a: Int, admit_a: Int,
+                  over_b: Bool, preempts_b: Int, computed_b: Int, admit_b: Int) -> Bool:
+    """Request a is preempted before request b.
+
+    A request of a user holding more than its weighted fair share of the KV blocks
+    (``over_served`` by blocks) goes first; among equals, the one preempted fewer times
+    (``preempts_*``: spreading preemptions keeps requests from being pinned, and a pinned
+    request holds its worst-case blocks); then the one with the fewest computed tokens
+    (``computed_*``: the recompute it loses); then the latest admitted (``admit_*``, the
+    admission sequence number).
+    """
+    return Or(And(over_a, Not(over_b)),
+              And(over_a == over_b,
+                  Or(preempts_a < preempts_b,
+                     And(preempts_a == preempts_b,
+                         Or(computed_a < computed_b, And(computed_a == computed_b, admit_a > admit_b))))))
 
 
 # ---------------------------------------------------------------- preemption

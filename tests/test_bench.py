@@ -54,6 +54,33 @@ def test_every_cell_is_consistent_with_its_bound_and_its_workload(suite):
         assert wr.cells["FCFS-reserve"].metrics["preemptions"] == 0
 
 
+def test_clairvoyant_oracle_stays_within_the_bound_and_out_of_the_comparisons(suite):
+    for wr in suite:
+        o = wr.oracle
+        assert o is not None and bench.ORACLE not in wr.cells, wr.workload.name
+        assert o.metrics["output_tokens"] == wr.bound.output_tokens, wr.workload.name
+        assert 0.0 < bench.fraction(o, wr.bound) <= 1.0 + 1e-9, wr.workload.name
+        assert o.metrics["requests_finished"] + o.refused == o.submitted, wr.workload.name
+    goal_rows = [r for r in bench.goals(suite)[2:]]
+    assert all(bench.ORACLE not in r.split("|")[5] for r in goal_rows)  # never the best baseline
+
+
+def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
+    from oracle import ClairvoyantPolicy  # noqa: PLC0415
+    reqs = [make_req(f"r{i}", n_prompt=10, max_tokens=99) for i in range(3)]
+    seqs = []
+    for i, r in enumerate(reqs):
+        s = type("S", (), {})()
+        s.req, s.num_tokens, s.arrival_no = r, 10, i
+        seqs.append(s)
+    p = ClairvoyantPolicy({id(reqs[0]): 5, id(reqs[1]): 50, id(reqs[2]): 20})
+    for s in seqs:
+        p.add(s)
+    assert list(p.admission_order()) == [seqs[1], seqs[2], seqs[0]]
+    p.remove(seqs[1])
+    assert list(p.admission_order()) == [seqs[2], seqs[0]] and len(p) == 2
+
+
 def test_refused_requests_are_counted_not_dropped(suite):
     wr = next(w for w in suite if w.workload.name == "refusal")
     assert wr.bound.refused == 1
@@ -92,7 +119,7 @@ def test_bound_holds_on_random_small_workloads():
 
         w = Workload(f"rand{i}", "random", "tests", build, kv_cap_blocks=cap, eos_probability=0.05)
         b = bench.throughput_upper_bound(build(), kv_cap_blocks=cap, eos_probability=0.05)
-        for p in bench.POLICIES:
+        for p in (*bench.POLICIES, bench.ORACLE):
             c = bench.run_cell(w, p)
             assert c.metrics["output_tokens"] == b.output_tokens, (i, p)
             assert c.metrics["throughput_tokens_per_sec"] <= b.tokens_per_s * (1 + 1e-9), (i, p)
@@ -151,6 +178,6 @@ def test_report_and_readme_are_written(tmp_path):
     assert bench.main(["--quick", "--out", str(out), "--no-readme", "--skip-overhead", "--no-progress",
                        "--only", "ab-burst"]) == 0
     md = out.read_text()
-    assert "## ab-burst" in md and "| Batch |" in md and "upper bound" in md
+    assert "## ab-burst" in md and "| Batch |" in md and "upper bound" in md and "| Oracle (clairvoyant" in md
     assert {p.name for p in (out.parent / "img").iterdir()} == {"ab-burst-cdf.png", "ab-burst-timeline.png",
                                                                  "ab-burst-service.png"}

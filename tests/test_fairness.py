@@ -419,7 +419,7 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
     iso, was, back = z3.Bools("iso was back")
     for f, args in [(fr.charged_counter, (c, u, w)), (fr.lifted_counter, (c, m, back)),
                     (fr.protected_next, (was, u, w, c, m)), (fr.over_served, (u, w, c, m)),
-                    (fr.victim_before, (iso, u, back, c)), (fr.may_preempt, (u, k, c, m)),
+                    (fr.victim_before, (iso, u, k, c, back, w, m, s)), (fr.may_preempt, (u, k, c, m)),
                     (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
                     (fr.reserved_after, (u, k)), (fr.admission_wait_bound, (k, s, u)),
                     (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
