@@ -61,7 +61,7 @@ class ClairvoyantPolicy:
     def admission_order(self) -> Iterator[Any]:
         return iter([e[2] for e in self._waiting])
 
-    def on_service(self, seq: Any, prompt_tokens: int, output_tokens: int) -> None:
+    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
         return None
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
