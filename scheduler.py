@@ -588,6 +588,8 @@ class Scheduler:
         blocked: list[_Seq] = []  # waiting candidates that did not fit, in the order tried
         if preempted:
             stop = "preempted"
+        elif len(live) >= self.max_running and len(self.policy):
+            stop = "max_running"  # no slot: the policy's order is not needed
         else:
             stop = "empty"
             resident = len(live)

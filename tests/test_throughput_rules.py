@@ -90,7 +90,7 @@ def test_drain_phase_keeps_users_in_counter_order():
     a = [Seq("a", i, max_tokens=10 + i) for i in range(2)]
     b = Seq("b", 2, max_tokens=99)
     p = _policy_with([*a, b])
-    p.on_service(a[0], 0, 50)  # a is ahead in service: b goes first whatever the lengths
+    p.on_service("a", 0, 50)  # a is ahead in service: b goes first whatever the lengths
     p.before_admission(100)
     assert [q.user_id for q in p.admission_order()][0] == "b"
 
