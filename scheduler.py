@@ -895,6 +895,7 @@ class Scheduler:
             self._resident_by_user[seq.user_id] = c
 
     def _forget(self, seq: _Seq) -> None:
+        seq.decode_entry = None  # it points back at seq: break the cycle so refcounting frees the request
         self._by_obj.pop(id(seq.req), None)
         if seq.req.request_id and self._by_id.get(seq.req.request_id) is seq:
             del self._by_id[seq.req.request_id]
