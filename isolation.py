@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -149,7 +149,8 @@ class PlanDraft:
         live: resident requests not preempted, admission order.
         order: resident requests scheduled this iteration.
         admitted: waiting requests admitted this iteration.
-        grants: request -> ``[num_new_tokens, new_blocks]`` for ``order`` and ``admitted``.
+        grants: request -> ``(num_new_tokens, new_blocks)`` for ``order`` and ``admitted`` (a
+            tuple or list; read it, never change it in place: decodes share one tuple).
         preempted: requests preempted by recompute before this iteration.
         free_blocks: free blocks once the plan is applied.
         budget_tokens: token budget left.
@@ -167,7 +168,7 @@ class PlanDraft:
     live: list[Any]
     order: list[Any]
     admitted: list[Any]
-    grants: dict[Any, list[int]]
+    grants: dict[Any, Sequence[int]]
     preempted: list[Any]
     free_blocks: int
     budget_tokens: int

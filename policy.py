@@ -44,7 +44,8 @@ class Policy(Protocol):
 
     def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
         """In one iteration, ``user_id``'s requests had ``prompt_tokens`` of prompt processed
-        (first time only) and ``output_tokens`` generated; called once per user per iteration."""
+        (first time only) and ``output_tokens`` generated; called once per user per iteration,
+        users in batch order (those with prompt tokens first), so every run makes the same calls."""
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
         """The request to preempt by recompute among ``running`` (non-empty)."""

@@ -764,7 +764,7 @@ class Scheduler:
                                  first_token_s=req.started_at, admitted_s=seq.admitted_s, completed_s=now,
                                  prompt_tokens=seq.num_prompt_tokens, output_tokens=len(req.generated))
         output_by_user = collections.Counter(output_users)
-        for user_id in prompt_served.keys() | output_by_user.keys():
+        for user_id in {**prompt_served, **output_by_user}:  # batch order (not a set's: runs must repeat)
             self.policy.on_service(user_id, prompt_served.get(user_id, 0), output_by_user[user_id])
         if gone:
             self.running = [s for s in self.running if s not in gone]
@@ -900,6 +900,7 @@ class Scheduler:
             self._resident_by_user[seq.user_id] = c
 
     def _forget(self, seq: _Seq) -> None:
+        seq.decode_entry = None  # it points back at seq: break the cycle so refcounting frees the request
         self._by_obj.pop(id(seq.req), None)
         if seq.req.request_id and self._by_id.get(seq.req.request_id) is seq:
             del self._by_id[seq.req.request_id]

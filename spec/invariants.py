@@ -341,7 +341,7 @@ class InvariantChecker:
     def __init__(self) -> None:
         self.ticks = 0
         self.forward_calls = 0
-        self._gen_before: dict[int, int] = {}
+        self._gen_before: dict[Any, int] = {}  # record -> tokens; keyed by the object: an id() is reused
 
     def count_forward(self, backend: Callable[[list], Any]) -> Callable[[list], Any]:
         """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``).
@@ -371,7 +371,7 @@ class InvariantChecker:
         self.ticks += 1
         self.forward_calls = 0
         before = self._gen_before  # the next tick compares with now, even if this check raises
-        self._gen_before = {id(s): len(s.req.generated) for s in sched._by_obj.values()}
+        self._gen_before = {s: len(s.req.generated) for s in sched._by_obj.values()}
 
         def fail(prop: str, detail: str) -> None:
             raise InvariantViolation(prop, detail, _summary(sched, tick_no))
@@ -392,7 +392,7 @@ class InvariantChecker:
         in_batch = {id(s) for s in batch}
         kv_at_forward = []
         for s in (*sched._by_obj.values(), *done):
-            delta = len(s.req.generated) - before.get(id(s), 0)
+            delta = len(s.req.generated) - before.get(s, 0)
             if not one_token_per_tick(delta, id(s) in in_batch):
                 fail("one_token_per_tick", f"{s.request_id}: {delta} tokens this tick, in batch: {id(s) in in_batch}")
             if id(s) in in_batch:

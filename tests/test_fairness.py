@@ -344,6 +344,30 @@ def test_counter_charges_prompt_once_per_request_and_outputs_at_two():
         assert s.policy.counter_tokens(user) == 31 * fr.PROMPT_PRICE + 40 * fr.OUTPUT_PRICE
 
 
+def test_users_are_charged_once_per_tick_in_batch_order():
+    """``on_service`` is called once per user per tick, in the order the users' requests sit in
+    the batch (users with prompt tokens first): a policy sees the same calls in every run (a
+    set's order would change with ``PYTHONHASHSEED``)."""
+    class Recording(FCFSPolicy):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def on_service(self, user_id, prompt_tokens, output_tokens):
+            self.calls.append((user_id, prompt_tokens, output_tokens))
+
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), policy=Recording())
+    users = [f"user{i}" for i in range(8)]
+    for i, u in enumerate(users * 2):
+        s.submit(make_req(f"r{i}", user=u, n_prompt=3, max_tokens=5))
+    s.tick()  # every prompt, one token each
+    assert [x.seq.user_id for x in s.plans[-1].batch] == users * 2
+    assert s.policy.calls == [(u, 6, 2) for u in users]
+    s.policy.calls.clear()
+    s.tick()  # every request decodes
+    assert s.policy.calls == [(u, 0, 2) for u in users]
+
+
 def test_lift_idle_user_to_the_smallest_backlogged_counter():
     p = VTCPolicy()
     p.add(_FakeSeq("a", 0))

@@ -799,6 +799,30 @@ def test_finished_requests_are_not_referenced_by_the_scheduler():
     assert_idle_and_empty(s)
 
 
+def test_finished_and_aborted_requests_are_freed_without_the_cycle_collector():
+    """A request that left (finished or aborted) is freed by reference counting alone once the
+    caller drops it: no reference cycle runs through its record (a cycle would keep its prompt
+    and tokens alive until a full ``gc`` pass, which a long-lived server rarely runs)."""
+    s = new(kv_cap_blocks=32)
+    refs = []
+    for i in range(6):
+        r = make_req(f"r{i}", user=f"u{i % 2}", n_prompt=1 + 3 * i, max_tokens=2 + i)
+        s.submit(r)
+        refs.append(weakref.ref(r))
+    del r
+    gc.disable()
+    try:
+        for _ in range(4):
+            s.tick()  # every request is decoding (its cached decode entry is built)
+        assert s.abort("r5") is not None
+        drain(s)
+        s.tick()  # an empty tick replaces the last plan, which references its batch
+        assert [w() is None for w in refs] == [True] * 6
+    finally:
+        gc.enable()
+    assert_idle_and_empty(s)
+
+
 def test_schedule_touches_the_waiting_queue_in_o1_per_admission():
     """FCFS admission stops at the first request that does not fit: a tick reads at most
     (admitted + 1) waiting entries, however many wait (O(1) in the number waiting)."""

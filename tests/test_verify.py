@@ -277,6 +277,35 @@ def test_two_forwards_in_a_tick_fail_the_runtime_check():
     assert e.value.property == "one_forward_per_tick"
 
 
+def test_runtime_check_does_not_take_a_new_request_for_a_retired_one(monkeypatch):
+    """CPython reuses a freed record's address, so a new request's ``id()`` can be that of a
+    request the retry policy failed (in a tick the check does not see end). The one-token
+    check must compare each record with its own count: here an ``id()`` that names records
+    by request id makes the reuse certain (seen for real in seeded runs: "-2 tokens")."""
+    real_id = id
+    monkeypatch.setattr(inv, "id", lambda o: ("seq", o.request_id) if isinstance(o, scheduler._Seq) else real_id(o),
+                        raising=False)
+    down = []
+    be = ScriptedBackend()
+
+    def backend(batch):
+        if down:
+            raise RuntimeError("device lost")
+        return be(batch)
+
+    s = Scheduler(backend=backend, check_invariants=True, max_backend_tries=1, prefill_chunk_tokens=1)
+    s.submit(make_req("x", n_prompt=1, max_tokens=5))
+    s.tick()  # x's first token: the check records 1 token for it
+    down.append(1)
+    assert [r.request_id for r in s.tick()] == ["x"]  # failed by the retry policy
+    down.clear()
+    x = make_req("x", n_prompt=3, max_tokens=5)
+    s.submit(x)  # a new record with the same id()
+    for _ in range(3):
+        s.tick()  # two prompt chunks with no token (0 tokens this tick, not -1), then the first
+    assert len(x.generated) == 1
+
+
 def test_runtime_check_is_on_in_the_test_suite():
     assert scheduler.CHECK_INVARIANTS is True
     assert Scheduler()._checker is not None and Scheduler(check_invariants=False)._checker is None
