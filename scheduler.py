@@ -128,7 +128,7 @@ class _Seq:
     admitted_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
-    decode_entry: ScheduledSeq | None = None  # ScheduledSeq(self, 1, 0, False), built once, reused
+    decode_entry: ScheduledSeq | None = None  # ScheduledSeq(self, 1, 0, False), built at admission, reused
 
     @property
     def num_output_tokens(self) -> int:
@@ -636,9 +636,7 @@ class Scheduler:
         for s in d.order:
             grant = g[s]
             if grant is _DECODE_GRANT:  # the same entry every decode tick: build it once
-                e = s.decode_entry
-                if e is None:
-                    e = s.decode_entry = ScheduledSeq(s, 1, 0, False)
+                e = s.decode_entry or ScheduledSeq(s, 1, 0, False)  # set at admission (_admit)
             else:
                 e = ScheduledSeq(s, grant[0], grant[1], False)
             entries.append(e)
@@ -862,6 +860,8 @@ class Scheduler:
     def _admit(self, seq: _Seq, tick_no: int, start_s: float) -> None:
         """``seq`` leaves the waiting queue for the running list (admission or resume)."""
         self.policy.remove(seq)
+        if seq.decode_entry is None:  # its plan entry on every decode tick (the fast path)
+            seq.decode_entry = ScheduledSeq(seq, 1, 0, False)
         _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
         seq.admit_no = self._admissions
         self._admissions += 1
