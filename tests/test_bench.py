@@ -167,6 +167,14 @@ def test_memory_per_waiting_request_and_nothing_retained_after_finish():
     assert bench.tick_overhead_us(4, 10, ticks=5) > 0
 
 
+def test_headline_states_the_overhead_at_the_most_running(suite):
+    overhead = {"running": (16, 256), "waiting": (100, 1000), "ticks": 1,
+                "us": {16: {100: 20.0, 1000: 21.0}, 256: {100: 200.0, 1000: 250.0}}}
+    last = bench.headline(suite, "today", "here", overhead)[-1]
+    assert "256 running requests: 200 us (4.0% of the 5 ms base iteration)" in last and "1.25x" in last
+    assert "CPU time" not in "\n".join(bench.headline(suite, "today", "here"))
+
+
 def test_report_and_readme_are_written(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# X\n\ntext\n")
