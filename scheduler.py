@@ -519,7 +519,8 @@ class Scheduler:
         Running requests first (in admission order): each catches ``num_computed_tokens`` up
         by a chunk (prefill) or one token (decode) within the token budget, after growing its
         block table by ``spec.rules.growth_blocks``; when the pool cannot cover the growth,
-        the policy's victim is preempted by recompute (possibly the request itself). Then,
+        the policy's victim is preempted by recompute (possibly the request itself). A request
+        the spent budget cannot run is left out: it neither grows nor preempts. Then,
         unless something was preempted, waiting requests are admitted in the policy's order
         while ``spec.rules.can_allocate`` holds for their whole prompt plus one slot.
 
@@ -549,6 +550,9 @@ class Scheduler:
                 budget -= 1
                 if num_tokens == seq.num_prompt_tokens:  # a 1-token last prompt chunk
                     pending.append(seq)
+                i += 1
+                continue
+            if budget <= 0:  # the token budget is spent: it cannot run, so it neither grows nor preempts
                 i += 1
                 continue
             need = growth_blocks(len(seq.block_table), num_tokens, B)

@@ -280,8 +280,9 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
     # 1. running requests, in order: grow (preempting victims until it fits), then a chunk
     for i, r in enumerate(reqs):
         need = rules.growth_blocks(r.h, r.n, B)
+        has_budget = budget > 0  # a request the spent budget cannot run neither grows nor preempts
         for a in range(R):  # `while not can_allocate`: each round removes one alive request
-            cond = And(alive[i], Not(skip[i]), Not(rules.can_allocate(free, need)))
+            cond = And(alive[i], Not(skip[i]), has_budget, Not(rules.can_allocate(free, need)))
             v = _last_alive(alive, free_blocks) if ch.victim is None else ch.victim(i, a, alive)
             if ch.victim is not None:
                 ch.assumptions.append(Or(Not(cond), *(And(v == j, alive[j]) for j in range(R))))

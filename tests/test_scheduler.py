@@ -66,3 +66,30 @@ def test_stream_submitted_at_once_drains_within_5000_ticks():
         ticks += 1
         assert ticks < 5000
     assert len(done) == 20
+
+
+def test_a_request_the_spent_token_budget_cannot_run_neither_grows_nor_preempts():
+    """With the budget spent by earlier requests, a running request at a block boundary with no
+    free block is left out of the iteration; it does not preempt anyone (itself included)."""
+    from conftest import ScriptedBackend
+    from policy import FCFSPolicy
+    from spec import rules
+
+    s = Scheduler(kv_cap_blocks=4, block_tokens=4, prefill_chunk_tokens=4, policy=FCFSPolicy(),
+                  backend=ScriptedBackend(eos_at={}, block_tokens=4))
+    s.submit(make_req("r1", n_prompt=1, max_tokens=12))
+    s.submit(make_req("r2", n_prompt=3, max_tokens=12))
+
+    def growth(q):
+        return rules.growth_blocks(len(q.block_table), q.num_tokens, 4)
+
+    for _ in range(12):
+        s.tick()
+        r1, r2 = s.running
+        if s.pool.num_free == 0 and growth(r2) > 0 and growth(r1) == 0:
+            break
+    assert s.pool.num_free == 0 and growth(r2) > 0 and growth(r1) == 0
+    assert s.schedule().preempted  # with budget, r2's growth preempts (FCFS: the newest, r2 itself)
+    s.token_budget_tokens = 1  # r1's decode spends it
+    plan = s.schedule()
+    assert plan.preempted == () and [e.seq for e in plan.batch] == [r1]
