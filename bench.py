@@ -570,10 +570,11 @@ knows every output length, admits the longest remaining work first and backfills
 of the bound a schedule that knows the future reaches with greedy packing: the rest of the
 gap is the bound's idealisation or the oracle's greedy choices, not a loss of online
 knowledge. A tighter bound is not easy to get: the Martello-Toth L2 bin-packing bound over
-the same request-iterations (bins of `cap` blocks) gives the same iteration count as the
-area term on all nine workloads here (measured), so per-iteration packing is not where the
-bound is loose; what it ignores is time (a request holds its growing blocks through its
-consecutive iterations, and the drain of a finite workload).
+the same request-iterations (bins of `cap` blocks) gives the area term's iteration count on
+eight of the nine workloads and 0.4% more on azure-code, whose bound an arrival split sets
+(`python bench_throughput.py --only l2`), so per-iteration packing is not where the bound is
+loose; what it ignores is time (a request holds its growing blocks through its consecutive
+iterations, and the drain of a finite workload). See [throughput.md](throughput.md).
 
 A workload is **saturating** when its `load` >= 1: the GPU time its work needs even when
 perfectly packed (the `k = 0` term) is at least its arrival span.

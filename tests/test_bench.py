@@ -81,6 +81,24 @@ def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
     assert list(p.admission_order()) == [seqs[2], seqs[0]] and len(p) == 2
 
 
+def test_longest_max_tokens_first_reads_only_max_tokens_and_drains_every_request():
+    from bench_throughput import LongestMaxTokensFirst  # noqa: PLC0415
+    p = LongestMaxTokensFirst()
+    seqs = []
+    for i, m in enumerate((5, 50, 20)):
+        s = type("S", (), {})()
+        s.req, s.num_tokens, s.arrival_no = make_req(f"r{i}", n_prompt=10, max_tokens=m), 10, i
+        seqs.append(s)
+        p.add(s)
+    assert list(p.admission_order()) == [seqs[1], seqs[2], seqs[0]]
+    sched = Scheduler(policy=LongestMaxTokensFirst(), kv_cap_blocks=16, block_tokens=4,
+                      backend=ScriptedBackend(eos_at={"q3": 2}, block_tokens=4))
+    for i in range(8):
+        sched.submit(make_req(f"q{i}", n_prompt=5 + i, max_tokens=3 + 2 * i))
+    done = drain(sched)
+    assert sorted(r.request_id for r in done) == [f"q{i}" for i in range(8)]
+
+
 def test_refused_requests_are_counted_not_dropped(suite):
     wr = next(w for w in suite if w.workload.name == "refusal")
     assert wr.bound.refused == 1
@@ -189,3 +207,37 @@ def test_report_and_readme_are_written(tmp_path):
     assert "## ab-burst" in md and "| Batch |" in md and "upper bound" in md and "| Oracle (clairvoyant" in md
     assert {p.name for p in (out.parent / "img").iterdir()} == {"ab-burst-cdf.png", "ab-burst-timeline.png",
                                                                  "ab-burst-service.png"}
+
+
+def _optimal_bins(sizes: list[int], cap: int) -> int:
+    """Fewest bins of ``cap`` for ``sizes`` (exhaustive; small inputs only)."""
+    best = len(sizes)
+
+    def place(i: int, loads: list[int]) -> None:
+        nonlocal best
+        if len(loads) >= best:
+            return
+        if i == len(sizes):
+            best = len(loads)
+            return
+        for j in range(len(loads)):
+            if loads[j] + sizes[i] <= cap:
+                loads[j] += sizes[i]
+                place(i + 1, loads)
+                loads[j] -= sizes[i]
+        place(i + 1, loads + [sizes[i]])
+
+    place(0, [])
+    return best
+
+
+def test_l2_bin_bound_is_a_lower_bound_at_least_the_area():
+    from bench_throughput import l2_bin_bound  # noqa: PLC0415
+    cap = 10
+    assert l2_bin_bound(np.bincount([6] * 5, minlength=cap + 1), cap) == 5  # area says 3
+    rng = random.Random(3)
+    for _ in range(200):
+        sizes = sorted((rng.randint(1, cap) for _ in range(rng.randint(1, 7))), reverse=True)
+        hist = np.bincount(sizes, minlength=cap + 1)
+        l2 = l2_bin_bound(hist, cap)
+        assert -(-sum(sizes) // cap) <= l2 <= _optimal_bins(sizes, cap), sizes

@@ -1,0 +1,199 @@
+"""Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
+the knobs that would recover it cost in TTFT.
+
+    python bench_throughput.py                # all three experiments (about 3 minutes on 2 cores)
+    python bench_throughput.py --seeds 8      # only the seed spread, 8 seeds
+    python bench_throughput.py --only sweep   # one experiment: seeds, sweep, knobs, l2 or lpt
+
+Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
+workload's upper bound, ``bench.throughput_upper_bound``):
+
+* ``seeds``: Batch, FCFS-recompute and round robin on the A/B burst and on the 30 long
+  requests with the workload seed varied (one seed is what ``make bench`` reports): mean,
+  minimum and maximum fraction of the bound over the seeds.
+* ``sweep``: VTC's drain phase (``policy.DRAIN_SHARE``: each user's queue longest first once
+  the waiting requests number at most this share of the resident ones) from the shipped 1/2
+  to "always"; per saturating workload, the fraction of the bound and the TTFT p99 over the
+  best TTFT p99 of the policies ``make bench`` compares (the goal allows 1.10x).
+* ``knobs``: Batch with one knob changed (backfill, admission headroom, isolation, the
+  preemption cap): fraction of the bound and preemptions per saturating workload.
+* ``l2``: the Martello-Toth L2 lower bound on bins (iterations of ``cap`` blocks) over each
+  workload's request-iterations, against the area term ``ceil(S / cap)`` of the bound: is the
+  bound loose because of packing within an iteration?
+* ``lpt``: longest ``max_tokens`` first with backfill (a deployable policy: it reads only
+  ``max_tokens``) against Batch and the clairvoyant oracle; on the trace workloads, whose
+  requests run to ``max_tokens``, it knows what the oracle knows.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import bench
+import policy
+import workloads
+from oracle import ClairvoyantPolicy
+from scheduler import Scheduler
+
+SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
+
+
+def _workload(name: str) -> workloads.Workload:
+    return next(w for w in workloads.WORKLOADS if w.name == name)
+
+
+def _fraction(w: workloads.Workload, policy_name: str) -> tuple[float, dict[str, Any]]:
+    """(fraction of the bound, metrics) of one run."""
+    b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+    c = bench.run_cell(w, policy_name)
+    return bench.fraction(c, b), c.metrics
+
+
+def seed_spread(n_seeds: int, policies: Sequence[str] = ("Batch", "FCFS-recompute", "Round-robin")) -> list[str]:
+    """Mean / min / max fraction of the bound over ``n_seeds`` workload seeds (0..n-1)."""
+    builders: dict[str, Callable[[int], list]] = {
+        "ab-burst": lambda s: workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=s),
+        "long-kv": lambda s: workloads.long_requests(n=30, seed=s)}
+    lines = ["| workload | policy | mean of bound | min | max |", "|---|---|---|---|---|"]
+    for name, build in builders.items():
+        for p in policies:
+            xs = [_fraction(replace(_workload(name), build=lambda s=s: build(s), seed=s), p)[0]
+                  for s in range(n_seeds)]
+            lines.append(f"| {name} | {p} | {np.mean(xs):.4f} | {min(xs):.3f} | {max(xs):.3f} |")
+    return lines
+
+
+def drain_sweep(shares: Sequence[tuple[int, int]] = ((1, 2), (1, 1), (2, 1), (4, 1), (100, 1))) -> list[str]:
+    """Batch with ``policy.DRAIN_SHARE`` set to each share: fraction of the bound and TTFT p99
+    over the best TTFT p99 among ``bench.POLICIES`` as shipped (measured here)."""
+    best = {name: min(_fraction(_workload(name), p)[1]["ttft_p99_s"] for p in bench.POLICIES)  # as shipped
+            for name in SATURATING}
+    head = "| drain share | " + " | ".join(SATURATING) + " |"
+    lines = [head, "|" + "---|" * (len(SATURATING) + 1)]
+    saved = policy.DRAIN_SHARE
+    try:
+        for share in shares:
+            policy.DRAIN_SHARE = share
+            row = [f"{share[0]}/{share[1]}" if share[0] < 100 else "always"]
+            for name in SATURATING:
+                f, m = _fraction(_workload(name), "Batch")
+                row.append(f"{f:.3f}, TTFT p99 {m['ttft_p99_s'] / best[name]:.2f}x")
+            lines.append("| " + " | ".join(row) + " |")
+    finally:
+        policy.DRAIN_SHARE = saved
+    return lines
+
+
+def knobs() -> list[str]:
+    """Batch with one knob changed at a time, fraction of the bound per saturating workload."""
+    from policy import VTCPolicy  # noqa: PLC0415
+    variants: dict[str, Callable[..., Scheduler]] = {
+        "Batch (shipped)": lambda **kw: Scheduler(**kw),
+        "backfill=True": lambda **kw: Scheduler(policy=VTCPolicy(backfill=True), **kw),
+        "admission_headroom=False": lambda **kw: Scheduler(admission_headroom=False, **kw),
+        "isolation=False": lambda **kw: Scheduler(isolation=False, **kw),
+        "max_preemptions=None": lambda **kw: Scheduler(max_preemptions=None, **kw),
+    }
+    lines = ["| variant | " + " | ".join(SATURATING) + " |", "|" + "---|" * (len(SATURATING) + 1)]
+    for label, make in variants.items():
+        bench.POLICIES.setdefault(label, make)
+        row = [label]
+        for name in SATURATING:
+            f, m = _fraction(_workload(name), label)
+            row.append(f"{f:.3f} ({m['preemptions']} preempt)")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def l2_bin_bound(sizes_hist: np.ndarray, cap: int) -> int:
+    """Martello & Toth's L2 lower bound on the number of bins of capacity ``cap`` for items
+    with ``sizes_hist[s]`` items of size ``s`` (``s`` in ``0..cap``).
+
+    For each ``K <= cap/2``: items above ``cap - K`` need a bin each; items in
+    ``(cap/2, cap - K]`` need a bin each too; items in ``[K, cap/2]`` fit only in those bins'
+    leftover space or in new bins. Source: S. Martello, P. Toth, "Lower bounds and reduction
+    procedures for the bin packing problem", Discrete Applied Mathematics 28 (1990).
+    """
+    sizes = np.arange(cap + 1)
+    cnt, area = np.cumsum(sizes_hist), np.cumsum(sizes_hist * sizes)
+    half = cap // 2
+    k = np.arange(0, half + 1)
+    n_above = lambda t: cnt[-1] - cnt[t]  # noqa: E731
+    a_above = lambda t: area[-1] - area[t]  # noqa: E731
+    j1 = n_above(cap - k)
+    j2_n, j2_a = n_above(half) - n_above(cap - k), a_above(half) - a_above(cap - k)
+    j3_a = area[half] - np.where(k >= 1, area[np.maximum(k - 1, 0)], 0)
+    extra = np.maximum(0, -(-(j3_a - (j2_n * cap - j2_a)) // cap))
+    return int((j1 + j2_n + extra).max())
+
+
+def l2_vs_area() -> list[str]:
+    """Per workload: the area term and L2 over its request-iterations (sizes in blocks as
+    ``kv_blocks_for`` counts them: whole prompt per prefill chunk, prompt + generated per decode)."""
+    lines = ["| workload | cap (blocks) | area term (iterations) | L2 (iterations) |", "|---|---|---|---|"]
+    for w in workloads.WORKLOADS:
+        reqs, cap = w.build(), w.kv_cap_blocks
+        lengths = bench.output_lengths(reqs, kv_cap_blocks=cap, eos_probability=w.eos_probability)
+        hist = np.zeros(cap + 1, dtype=np.int64)
+        for r, n_out in zip(reqs, lengths):
+            if n_out is None:
+                continue
+            p = len(r.prompt)
+            hist[-(-p // 16)] += -(-p // 64)
+            if n_out > 1:
+                np.add.at(hist, -(-(p + np.arange(1, n_out)) // 16), 1)
+        area = -(-int((hist * np.arange(cap + 1)).sum()) // cap)
+        lines.append(f"| {w.name} | {cap} | {area} | {l2_bin_bound(hist, cap)} |")
+    return lines
+
+
+class LongestMaxTokensFirst(ClairvoyantPolicy):
+    """Deployable: the oracle's rule (longest remaining work first, backfill, fewest computed
+    tokens as victim) with ``max_tokens`` standing in for the true output length."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def remaining_iterations(self, seq: Any) -> int:
+        left = seq.req.max_tokens - len(seq.req.generated)
+        return -(-seq.num_tokens // self._chunk) + max(0, left - 1)
+
+
+def lpt_backfill(names: Sequence[str] = ("long-kv", "azure-conv", "mooncake-conv", "ab-burst")) -> list[str]:
+    """Batch, longest-``max_tokens``-first with backfill, and the oracle: fraction and TTFT p99."""
+    key = "LPT max_tokens + backfill"
+    bench.POLICIES.setdefault(key, lambda **kw: Scheduler(policy=LongestMaxTokensFirst(), **kw))
+    lines = ["| workload | policy | of bound | TTFT p50 / p99 (s) | preemptions |", "|---|---|---|---|---|"]
+    for name in names:
+        for p in ("Batch", key, bench.ORACLE):
+            f, m = _fraction(_workload(name), p)
+            lines.append(f"| {name} | {p} | {f:.3f} | {m['ttft_p50_s']:.1f} / {m['ttft_p99_s']:.1f} "
+                         f"| {m['preemptions']} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=8, help="workload seeds for the seed spread")
+    ap.add_argument("--only", choices=("seeds", "sweep", "knobs", "l2", "lpt"), action="append", help="run only these")
+    a = ap.parse_args(argv)
+    todo = a.only or ["seeds", "sweep", "knobs", "l2", "lpt"]
+    if "seeds" in todo:
+        print(f"== seed spread ({a.seeds} seeds) ==", *seed_spread(a.seeds), sep="\n", flush=True)
+    if "sweep" in todo:
+        print("== drain share sweep ==", *drain_sweep(), sep="\n", flush=True)
+    if "knobs" in todo:
+        print("== one knob at a time ==", *knobs(), sep="\n", flush=True)
+    if "l2" in todo:
+        print("== L2 bin-packing bound against the area term ==", *l2_vs_area(), sep="\n", flush=True)
+    if "lpt" in todo:
+        print("== longest max_tokens first with backfill ==", *lpt_backfill(), sep="\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
