@@ -159,8 +159,7 @@ class LongestMaxTokensFirst(ClairvoyantPolicy):
         super().__init__({})
 
     def remaining_iterations(self, seq: Any) -> int:
-        left = seq.req.max_tokens - len(seq.req.generated)
-        return -(-seq.num_tokens // self._chunk) + max(0, left - 1)
+        return policy.remaining_iterations(seq, self._chunk)  # max_tokens for the length
 
 
 def lpt_backfill(names: Sequence[str] = ("long-kv", "azure-conv", "mooncake-conv", "ab-burst")) -> list[str]:
