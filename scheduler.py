@@ -738,7 +738,7 @@ class Scheduler:
             seq.num_computed_tokens = nc + num_new_tokens
             if not produces_token(nc, num_new_tokens, num_tokens):
                 continue
-            req.generated.append(int(token))
+            req.generated.append(token if type(token) is int else int(token))
             output_users.append(seq.user_id)
             if req.started_at is None:
                 req.started_at = now
