@@ -599,7 +599,7 @@ class Scheduler:
             resident = len(live)
             before_admission = getattr(self.policy, "before_admission", None)
             if before_admission is not None:  # e.g. VTC's drain phase (policy.VTCPolicy.before_admission)
-                before_admission(resident)
+                before_admission(resident, min(chunk, self.token_budget_tokens))
             candidates = self.policy.admission_order()
             reserved = self._reserved
             if reserved is not None and reserved.state in lc.WAITING_STATES:  # the reservation goes first
