@@ -50,6 +50,8 @@ class Policy(Protocol):
     def choose_victim(self, running: Sequence[Any]) -> Any:
         """The request to preempt by recompute among ``running`` (non-empty)."""
 
+    # Optional: ``discard(seq) -> None``, called instead of ``remove`` when a waiting request
+    # is aborted (``VTCPolicy`` has it: an abort does not pass anyone in its drain phase).
     # Optional: ``before_admission(resident_requests: int, prefill_chunk_tokens: int) -> None``,
     # called by the scheduler in every ``schedule()`` (before admission and isolation's peek)
     # with the resident requests of the plan and the largest prefill chunk an iteration can
@@ -335,6 +337,16 @@ class VTCPolicy:
                 if q.arrival_no >= seq.arrival_no:
                     break
                 self._passes[q] = self._passes.get(q, 0) + 1
+        self.discard(seq)
+
+    def discard(self, seq: Any) -> None:
+        """``seq`` was aborted while waiting: it leaves the queue without passing anyone.
+
+        ``remove`` counts a drain-phase admission as a pass of the user's older requests; an
+        abort is not one, and counting it would read the drain phase of whichever
+        ``schedule()`` ran last, so an extra ``schedule()`` call could change later admissions.
+        As before, it still stamps the user's last admission (the counter tie-break).
+        """
         self._passes.pop(seq, None)
         self._q.discard(seq)
         self._admits += 1

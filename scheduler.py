@@ -799,7 +799,8 @@ class Scheduler:
         state lock held and ``seq`` not in an in-flight plan.
         """
         if seq.state in lc.WAITING_STATES:
-            self.policy.remove(seq)
+            discard = getattr(self.policy, "discard", None)  # an abort is not an admission (VTCPolicy.discard)
+            (discard or self.policy.remove)(seq)
             self._leave_waiting(seq)
             if seq is self._reserved:
                 self._reserved = None
