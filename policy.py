@@ -50,8 +50,12 @@ class Policy(Protocol):
     def choose_victim(self, running: Sequence[Any]) -> Any:
         """The request to preempt by recompute among ``running`` (non-empty)."""
 
-    # Optional: ``before_admission(resident_requests: int) -> None``, called by the scheduler
-    # before each admission pass with the number of resident requests (``VTCPolicy`` has it).
+    # Optional: ``discard(seq) -> None``, called instead of ``remove`` when a waiting request
+    # is aborted (``VTCPolicy`` has it: an abort does not pass anyone in its drain phase).
+    # Optional: ``before_admission(resident_requests: int, prefill_chunk_tokens: int) -> None``,
+    # called by the scheduler in every ``schedule()`` (before admission and isolation's peek)
+    # with the resident requests of the plan and the largest prefill chunk an iteration can
+    # process, tokens (``VTCPolicy`` has it).
 
 
 class FCFSPolicy:
@@ -229,9 +233,14 @@ class VTCPolicy:
         isolation: ask the scheduler for TTFT isolation (``isolation.Isolation``).
         admission_headroom: ask the scheduler to leave room for the next iteration's growth
             at admission (``spec.fairness_rules.growth_headroom_blocks``): fewer preemptions.
+        drain_longest_first: the drain phase (``before_admission``).
+        prefill_chunk_tokens: the chunk the drain phase counts prompt chunks in, tokens;
+            ``None`` (default): the scheduler's (``min(prefill_chunk_tokens,
+            token_budget_tokens)``, told by ``before_admission``).
 
     Raises:
-        ValueError: a weight is not an int >= 1, or a price is not an int >= 0, or both are 0.
+        ValueError: a weight is not an int >= 1, or a price is not an int >= 0, or both are 0,
+            or ``prefill_chunk_tokens`` is not ``None`` or an int >= 1.
 
     Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
     waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1).
@@ -243,7 +252,7 @@ class VTCPolicy:
     def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
                  output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
                  admission_headroom: bool = True, drain_longest_first: bool = True,
-                 prefill_chunk_tokens: int = 64) -> None:
+                 prefill_chunk_tokens: int | None = None) -> None:
         weights = dict(weights or {})
         for user, w in weights.items():
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -253,6 +262,9 @@ class VTCPolicy:
                 raise ValueError(f"{name} must be an int >= 0, got {p!r}")
         if prompt_price == 0 and output_price == 0:
             raise ValueError("prompt_price and output_price cannot both be 0")
+        if prefill_chunk_tokens is not None and (isinstance(prefill_chunk_tokens, bool) or not isinstance(
+                prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
+            raise ValueError(f"prefill_chunk_tokens must be an int >= 1 or None, got {prefill_chunk_tokens!r}")
         self.backfill = backfill
         self.isolation = isolation
         self.admission_headroom = admission_headroom
@@ -269,6 +281,7 @@ class VTCPolicy:
         self._admits = 0
         self.drain_longest_first = drain_longest_first
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._chunk_tokens = prefill_chunk_tokens or 64  # the chunk the drain order counts in (tokens)
         self._drain = False  # set by before_admission: order each user's queue longest first
         self._passes: dict[Any, int] = {}  # waiting request -> later arrivals admitted before it (drain)
 
@@ -324,6 +337,16 @@ class VTCPolicy:
                 if q.arrival_no >= seq.arrival_no:
                     break
                 self._passes[q] = self._passes.get(q, 0) + 1
+        self.discard(seq)
+
+    def discard(self, seq: Any) -> None:
+        """``seq`` was aborted while waiting: it leaves the queue without passing anyone.
+
+        ``remove`` counts a drain-phase admission as a pass of the user's older requests; an
+        abort is not one, and counting it would read the drain phase of whichever
+        ``schedule()`` ran last, so an extra ``schedule()`` call could change later admissions.
+        As before, it still stamps the user's last admission (the counter tie-break).
+        """
         self._passes.pop(seq, None)
         self._q.discard(seq)
         self._admits += 1
@@ -370,8 +393,11 @@ class VTCPolicy:
             return top[0]
         return None
 
-    def before_admission(self, resident_requests: int) -> None:
-        """Called by the scheduler before each admission pass: enter or leave the drain phase.
+    def before_admission(self, resident_requests: int, prefill_chunk_tokens: int | None = None) -> None:
+        """Called by the scheduler in every ``schedule()``: enter or leave the drain phase.
+
+        ``prefill_chunk_tokens`` is the scheduler's largest chunk per iteration (tokens), used
+        to count prompt chunks unless the policy was given its own.
 
         In the drain phase (waiting requests <= ``DRAIN_SHARE`` of ``resident_requests``), each
         user's waiting requests are offered longest first (``remaining_iterations``: prompt
@@ -382,6 +408,8 @@ class VTCPolicy:
         Outside the drain phase (a real backlog) each user's queue is first come, first served,
         so the TTFT tail is unchanged.
         """
+        if self.prefill_chunk_tokens is None and prefill_chunk_tokens is not None:
+            self._chunk_tokens = prefill_chunk_tokens
         num, den = DRAIN_SHARE
         self._drain = self.drain_longest_first and self._q.n * den <= num * resident_requests
 
@@ -390,7 +418,7 @@ class VTCPolicy:
         it = self._q.iter_user(user)
         if not self._drain:
             return it
-        chunk, passes = self.prefill_chunk_tokens, self._passes
+        chunk, passes = self._chunk_tokens, self._passes
         return iter(sorted(it, key=lambda q: (passes.get(q, 0) < MAX_DRAIN_PASSES,
                                               -remaining_iterations(q, chunk), q.arrival_no)))
 

@@ -590,6 +590,9 @@ class Scheduler:
 
         admitted: list[_Seq] = []
         blocked: list[_Seq] = []  # waiting candidates that did not fit, in the order tried
+        before_admission = getattr(self.policy, "before_admission", None)
+        if before_admission is not None:  # every plan, so isolation's peek sees it too (VTC's drain phase)
+            before_admission(len(live), min(chunk, self.token_budget_tokens))
         if preempted:
             stop = "preempted"
         elif len(live) >= self.max_running and len(self.policy):
@@ -597,9 +600,6 @@ class Scheduler:
         else:
             stop = "empty"
             resident = len(live)
-            before_admission = getattr(self.policy, "before_admission", None)
-            if before_admission is not None:  # e.g. VTC's drain phase (policy.VTCPolicy.before_admission)
-                before_admission(resident)
             candidates = self.policy.admission_order()
             reserved = self._reserved
             if reserved is not None and reserved.state in lc.WAITING_STATES:  # the reservation goes first
@@ -799,7 +799,8 @@ class Scheduler:
         state lock held and ``seq`` not in an in-flight plan.
         """
         if seq.state in lc.WAITING_STATES:
-            self.policy.remove(seq)
+            discard = getattr(self.policy, "discard", None)  # an abort is not an admission (VTCPolicy.discard)
+            (discard or self.policy.remove)(seq)
             self._leave_waiting(seq)
             if seq is self._reserved:
                 self._reserved = None

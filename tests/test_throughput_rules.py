@@ -111,3 +111,84 @@ def test_a_short_request_is_passed_at_most_max_drain_passes_times():
         passes += 1
         assert passes <= MAX_DRAIN_PASSES
     assert passes == MAX_DRAIN_PASSES
+
+
+def test_a_zero_or_negative_prefill_chunk_is_refused_at_construction():
+    import pytest
+    for bad in (0, -64, 1.5, True):
+        with pytest.raises(ValueError):
+            VTCPolicy(prefill_chunk_tokens=bad)
+
+
+def test_drain_phase_counts_prompt_chunks_of_the_schedulers_chunk_size():
+    from scheduler import Scheduler
+    # With the scheduler's 512-token chunk, a 1024-token prompt is 2 chunks: 2 + 9 = 11
+    # iterations, less than the short prompt's 1 + 13 = 14 (64-token chunks would say 16 + 9).
+    s = Scheduler(prefill_chunk_tokens=512, kv_cap_blocks=256, backend=lambda b: [5] * len(b), clock=lambda: 0.0)
+    for i in range(4):
+        s.submit(Request(user_id="v", prompt=[1] * 8, max_tokens=100, request_id=f"v{i}"))
+    s.tick()
+    long_prompt = Request(user_id="u", prompt=[1] * 1024, max_tokens=10, request_id="long_prompt")
+    long_output = Request(user_id="u", prompt=[1] * 10, max_tokens=14, request_id="long_output")
+    s.submit(long_prompt)
+    s.submit(long_output)  # 2 waiting <= half of 4 resident: the drain phase
+    plan = s.schedule()
+    assert [e.seq.request_id for e in plan.batch if e.admitted][0] == "long_output"
+
+
+def test_an_extra_schedule_call_changes_no_later_decision_even_with_aborts():
+    """schedule() changes no state: a twin that calls it between steps decides the same.
+
+    The drain phase is entered by one twin's extra call while other waiting requests are
+    aborted; the passes counted on those aborts must not depend on that call."""
+    from scheduler import Scheduler
+
+    def make() -> Scheduler:
+        s = Scheduler(kv_cap_blocks=512, backend=lambda b: [5] * len(b), clock=lambda: 0.0)
+        for i in range(40):
+            s.submit(Request(user_id="v", prompt=[1] * 8, max_tokens=1000, request_id=f"v{i}"))
+        s.tick()  # its admission pass saw a backlog (40 waiting, none resident): no drain phase
+        return s
+
+    a, b = make(), make()
+    for s in (a, b):
+        s.submit(Request(user_id="u", prompt=[1] * 8, max_tokens=2, request_id="short"))
+        for i in range(60):  # a backlog: no drain phase at the tick below
+            s.submit(Request(user_id="w", prompt=[1] * 8, max_tokens=5, request_id=f"w{i}"))
+        for i in range(MAX_DRAIN_PASSES):
+            s.submit(Request(user_id="u", prompt=[1] * 8, max_tokens=50 + i, request_id=f"late{i}"))
+    for i in range(60):
+        a.abort(f"w{i}")
+        b.abort(f"w{i}")
+    b.schedule()  # b alone looks at the next plan: the drain phase now
+    for i in range(MAX_DRAIN_PASSES):
+        a.abort(f"late{i}")
+        b.abort(f"late{i}")
+    for i in range(3):
+        for s in (a, b):
+            s.submit(Request(user_id="u", prompt=[1] * 8, max_tokens=100 + i, request_id=f"later{i}"))
+    pa, pb = a.schedule(), b.schedule()
+    assert [e.seq.request_id for e in pa.batch] == [e.seq.request_id for e in pb.batch]
+
+
+def test_a_preempting_plan_peeks_at_waiting_requests_in_its_own_drain_phase():
+    """A plan that preempts skips admission, but isolation still peeks at the policy's order
+    (``isolation.Isolation._peek``): that order must be the one of the plan's own state, not
+    of whichever admission pass ran last (here: a backlog since aborted)."""
+    from scheduler import Scheduler
+    s = Scheduler(kv_cap_blocks=24, block_tokens=4, max_running=8, backend=lambda b: [5] * len(b),
+                  clock=lambda: 0.0, admission_headroom=False)
+    for i in range(6):
+        s.submit(Request(user_id="v", prompt=[1] * 13, max_tokens=100, request_id=f"v{i}"))
+    s.tick()
+    for i in range(6):
+        s.submit(Request(user_id="w", prompt=[1] * 60, max_tokens=5, request_id=f"w{i}"))
+    s.submit(Request(user_id="u", prompt=[1] * 60, max_tokens=2, request_id="short"))
+    s.submit(Request(user_id="u", prompt=[1] * 60, max_tokens=50, request_id="long"))
+    for _ in range(2):
+        s.tick()  # their admission passes see a backlog (8 waiting, 6 resident): no drain phase
+    for i in range(6):
+        s.abort(f"w{i}")
+    plan = s.schedule()
+    assert plan.admission_stop == "preempted" and len(s.running) - len(plan.preempted) >= 4
+    assert [q.request_id for q in s.policy.admission_order()] == ["long", "short"]  # 2 waiting <= 4 / 2
