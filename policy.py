@@ -243,7 +243,9 @@ class VTCPolicy:
             or ``prefill_chunk_tokens`` is not ``None`` or an int >= 1.
 
     Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
-    waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1).
+    waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1). In the
+    drain phase (at most half as many waiting as resident) ``remove`` is O(position in its
+    user's queue) and ``admission_order`` sorts each user's queue it reaches.
 
     Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), the VTC algorithm;
     artifact ``Ying1123/VTC-artifact`` (``vtc_req_queue.py``).
