@@ -692,6 +692,17 @@ def write_report(results: list[WorkloadResult], path: Path, img_dir: Path, *, ov
 # ---------------------------------------------------------------- plots
 
 
+def _save(fig: Any, title: str, path: Path, label: str) -> tuple[str, Path]:
+    """Title, lay out, write (80 dpi PNG) and close ``fig``; returns ``(label, path)``."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return label, path
+
+
 def plot_workload(wr: WorkloadResult, img_dir: Path) -> list[tuple[str, Path]]:
     """Latency CDFs per policy; batch size and KV blocks over time; per-user service (A/B burst)."""
     import matplotlib  # noqa: PLC0415 - bench-only dependency (the dev extra)
@@ -713,12 +724,7 @@ def plot_workload(wr: WorkloadResult, img_dir: Path) -> list[tuple[str, Path]]:
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{name}: latency CDFs")
-    fig.tight_layout()
-    f = img_dir / f"{name}-cdf.png"
-    fig.savefig(f, dpi=80)
-    plt.close(fig)
-    out.append(("latency CDFs", f))
+    out.append(_save(fig, f"{name}: latency CDFs", img_dir / f"{name}-cdf.png", "latency CDFs"))
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
     for p, c in wr.cells.items():
@@ -733,12 +739,8 @@ def plot_workload(wr: WorkloadResult, img_dir: Path) -> list[tuple[str, Path]]:
     axes[0].legend(fontsize=8, ncol=3)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{name}: batch size and KV blocks over time")
-    fig.tight_layout()
-    f = img_dir / f"{name}-timeline.png"
-    fig.savefig(f, dpi=80)
-    plt.close(fig)
-    out.append(("batch and KV over time", f))
+    out.append(_save(fig, f"{name}: batch size and KV blocks over time", img_dir / f"{name}-timeline.png",
+                     "batch and KV over time"))
 
     if any(c.service for c in wr.cells.values()):
         fig, axes = plt.subplots(1, len(wr.cells), figsize=(3.2 * len(wr.cells), 3.2), sharey=True)
@@ -752,12 +754,8 @@ def plot_workload(wr: WorkloadResult, img_dir: Path) -> list[tuple[str, Path]]:
             ax.grid(alpha=0.3)
         np.atleast_1d(axes)[0].set_ylabel("fraction of the user's output served")
         np.atleast_1d(axes)[0].legend(fontsize=8)
-        fig.suptitle(f"{name}: per-user service over time (cumulative output tokens / the user's total)")
-        fig.tight_layout()
-        f = img_dir / f"{name}-service.png"
-        fig.savefig(f, dpi=80)
-        plt.close(fig)
-        out.append(("per-user service", f))
+        out.append(_save(fig, f"{name}: per-user service over time (cumulative output tokens / the user's total)",
+                         img_dir / f"{name}-service.png", "per-user service"))
     return out
 
 

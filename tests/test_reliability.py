@@ -334,6 +334,19 @@ def start_abort(s, target):
     return t, out
 
 
+def abort_during_tick(s, gate, target):
+    """Start a tick, abort ``target`` from another thread while ``forward`` is inside the gate
+    (the abort is deferred), then let the tick finish; returns (tick outcome, abort outcome)."""
+    ticker, tout = start_tick(s)
+    assert gate.entered.wait(10)
+    aborter, aout = start_abort(s, target)
+    wait_for(lambda: s._pending_aborts, "abort to be deferred")
+    gate.release.set()
+    ticker.join(10)
+    aborter.join(10)
+    return tout, aout
+
+
 @pytest.mark.parametrize("when", ["decoding", "admitted_in_this_tick"])
 def test_abort_of_a_request_in_the_inflight_batch_waits_for_the_tick_then_aborts(when):
     gate = Gate()
@@ -370,13 +383,7 @@ def test_abort_racing_the_tick_that_finishes_the_request_returns_none():
     s = new(gate)
     r = make_req("r", max_tokens=1)
     s.submit(r)
-    ticker, tout = start_tick(s)
-    assert gate.entered.wait(10)
-    aborter, aout = start_abort(s, r)
-    wait_for(lambda: s._pending_aborts, "abort to be deferred")
-    gate.release.set()
-    ticker.join(10)
-    aborter.join(10)
+    tout, aout = abort_during_tick(s, gate, r)
     assert tout["finished"] == [r] and aout["result"] is None  # returned once, by the tick
     assert s.metrics()["finish_reasons"] == {"length": 1}
     assert_idle_and_empty(s)
@@ -390,13 +397,7 @@ def test_abort_during_a_failing_tick_is_applied_after_rollback():
     other = make_req("o", user="u2", max_tokens=5)
     s.submit(r)
     s.submit(other)
-    ticker, tout = start_tick(s)
-    assert gate.entered.wait(10)
-    aborter, aout = start_abort(s, "r")
-    wait_for(lambda: s._pending_aborts, "abort to be deferred")
-    gate.release.set()
-    ticker.join(10)
-    aborter.join(10)
+    tout, aout = abort_during_tick(s, gate, "r")
     assert isinstance(tout["error"], BackendError) and aout["result"] is r
     s.check_integrity()
     assert drain(s) == [other]
