@@ -340,19 +340,20 @@ class VTCPolicy:
                     break
                 self._passes[q] = self._passes.get(q, 0) + 1
         self.discard(seq)
+        self._admits += 1
+        self._last_admit[seq.user_id] = self._admits  # the key grows: the heap entry goes stale
 
     def discard(self, seq: Any) -> None:
-        """``seq`` was aborted while waiting: it leaves the queue without passing anyone.
+        """``seq`` was aborted while waiting: it leaves the queue without passing anyone and
+        without counting as an admission.
 
-        ``remove`` counts a drain-phase admission as a pass of the user's older requests; an
-        abort is not one, and counting it would read the drain phase of whichever
-        ``schedule()`` ran last, so an extra ``schedule()`` call could change later admissions.
-        As before, it still stamps the user's last admission (the counter tie-break).
+        ``remove`` counts a drain-phase admission as a pass of the user's older requests and
+        stamps the user's last admission (the counter tie-break); an abort is neither. Counting
+        it as a pass would read the drain phase of whichever ``schedule()`` ran last; stamping
+        it would send the user to the back of every counter tie for a request it never got.
         """
         self._passes.pop(seq, None)
         self._q.discard(seq)
-        self._admits += 1
-        self._last_admit[seq.user_id] = self._admits  # the key grows: the heap entry goes stale
 
     def _activate(self, user: str) -> None:
         """The user went idle -> backlogged: lift its counter, give it a fresh heap entry."""

@@ -420,6 +420,19 @@ class _FakeSeq:
         return f"_FakeSeq({self.user_id!r}, {self.arrival_no})"
 
 
+def test_an_abort_is_not_an_admission_in_the_counter_tie_break():
+    p = VTCPolicy()
+    a0, a1, b0 = _FakeSeq("a", 0), _FakeSeq("a", 1), _FakeSeq("b", 2)
+    for q in (a0, a1, b0):
+        p.add(q)
+    p.discard(a0)  # aborted while waiting: user a was not served, so it keeps its place in the tie
+    assert p.counter("a") == p.counter("b") == 0
+    assert next(iter(p.admission_order())) is a1
+    p.remove(a1)  # an admission does count: the tie now goes to b
+    p.add(_FakeSeq("a", 3))
+    assert next(iter(p.admission_order())) is b0
+
+
 def test_many_users_and_a_deep_queue_keep_the_heap_small():
     p = VTCPolicy()
     n = 0
