@@ -40,6 +40,7 @@ from oracle import ClairvoyantPolicy
 from scheduler import Scheduler
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
+EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders")
 
 
 def _workload(name: str) -> workloads.Workload:
@@ -175,12 +176,41 @@ def lpt_backfill(names: Sequence[str] = ("long-kv", "azure-conv", "mooncake-conv
     return lines
 
 
+def clairvoyant_orders(names: Sequence[str] = SATURATING) -> list[str]:
+    """The oracle's list rule with each admission order (``oracle.ClairvoyantPolicy``: longest
+    remaining work first, shortest first, arrival order), with and without backfill, all told
+    the true output lengths: the best fraction of the bound any of these rules reaches."""
+    orders = [(o, bf) for o in ClairvoyantPolicy.ORDERS for bf in (True, False)]
+    head = " | ".join(f"{o}{' + backfill' if bf else ''}" for o, bf in orders)
+    lines = [f"| workload | {head} | best |", "|" + "---|" * (len(orders) + 2)]
+    for name in names:
+        w = _workload(name)
+        b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+        row, best = [name], 0.0
+        for o, bf in orders:
+            reqs = w.build()
+            lengths = bench.output_lengths(reqs, kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+            known = {id(r): n for r, n in zip(reqs, lengths) if n is not None}
+            key = f"clairvoyant {o} backfill={bf}"
+            bench.POLICIES[key] = lambda known=known, o=o, bf=bf, **kw: Scheduler(
+                policy=ClairvoyantPolicy(known, order=o, backfill=bf), **kw)
+            try:
+                c = bench.run_cell(w, key, requests=reqs)
+            finally:
+                del bench.POLICIES[key]
+            f = bench.fraction(c, b)
+            best = max(best, f)
+            row.append(f"{f:.3f}, {c.metrics['ttft_p99_s']:.1f} s")
+        lines.append("| " + " | ".join(row) + f" | {best:.3f} |")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=8, help="workload seeds for the seed spread")
-    ap.add_argument("--only", choices=("seeds", "sweep", "knobs", "l2", "lpt"), action="append", help="run only these")
+    ap.add_argument("--only", choices=EXPERIMENTS, action="append", help="run only these")
     a = ap.parse_args(argv)
-    todo = a.only or ["seeds", "sweep", "knobs", "l2", "lpt"]
+    todo = a.only or list(EXPERIMENTS)
     if "seeds" in todo:
         print(f"== seed spread ({a.seeds} seeds) ==", *seed_spread(a.seeds), sep="\n", flush=True)
     if "sweep" in todo:
@@ -191,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("== L2 bin-packing bound against the area term ==", *l2_vs_area(), sep="\n", flush=True)
     if "lpt" in todo:
         print("== longest max_tokens first with backfill ==", *lpt_backfill(), sep="\n", flush=True)
+    if "orders" in todo:
+        print("== clairvoyant list rules: order x backfill (fraction of the bound, TTFT p99) ==",
+              *clairvoyant_orders(), sep="\n", flush=True)
     return 0
 
 

@@ -24,16 +24,29 @@ class ClairvoyantPolicy:
         output_tokens_by_request: ``id(Request)`` -> tokens the request will generate (its
             true output length under the run's seeded token streams).
         prefill_chunk_tokens: the scheduler's prefill chunk (tokens).
+        order: the admission order, by remaining iterations (true lengths): ``"lpt"`` longest
+            first (the default, LPT list scheduling), ``"spt"`` shortest first, ``"fifo"``
+            arrival order (lengths then matter only through the victim rule). Other list
+            rules are for ``bench_throughput.py --only orders``: how far any of them gets.
+        backfill: pass a waiting request that does not fit (default ``True``).
 
     Raises:
         KeyError: at ``add``, for a request whose length was not given.
+        ValueError: ``order`` is not one of the three.
     """
 
     backfill = True
     isolation = False
     admission_headroom = False
 
-    def __init__(self, output_tokens_by_request: dict[int, int], *, prefill_chunk_tokens: int = 64) -> None:
+    ORDERS = ("lpt", "spt", "fifo")
+
+    def __init__(self, output_tokens_by_request: dict[int, int], *, prefill_chunk_tokens: int = 64,
+                 order: str = "lpt", backfill: bool = True) -> None:
+        if order not in self.ORDERS:
+            raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
+        self.order = order
+        self.backfill = backfill
         self._lengths = output_tokens_by_request
         self._chunk = prefill_chunk_tokens
         self._waiting: list[tuple[int, int, Any]] = []  # (-remaining iterations, arrival_no, seq), sorted
@@ -47,7 +60,9 @@ class ClairvoyantPolicy:
         return len(self._waiting)
 
     def add(self, seq: Any) -> None:
-        insort(self._waiting, (-self.remaining_iterations(seq), seq.arrival_no, seq), key=lambda e: e[:2])
+        left = self.remaining_iterations(seq)
+        key = -left if self.order == "lpt" else left if self.order == "spt" else 0
+        insort(self._waiting, (key, seq.arrival_no, seq), key=lambda e: e[:2])
 
     requeue = add
 

@@ -81,6 +81,25 @@ def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
     assert list(p.admission_order()) == [seqs[2], seqs[0]] and len(p) == 2
 
 
+def test_clairvoyant_oracle_orders_and_backfill_switch():
+    from oracle import ClairvoyantPolicy  # noqa: PLC0415
+    reqs = [make_req(f"r{i}", n_prompt=10, max_tokens=99) for i in range(3)]
+    seqs = []
+    for i, r in enumerate(reqs):
+        s = type("S", (), {})()
+        s.req, s.num_tokens, s.arrival_no = r, 10, i
+        seqs.append(s)
+    lengths = {id(reqs[0]): 5, id(reqs[1]): 50, id(reqs[2]): 20}
+    for order, want in (("spt", [0, 2, 1]), ("fifo", [0, 1, 2])):
+        p = ClairvoyantPolicy(lengths, order=order, backfill=False)
+        for s in seqs:
+            p.add(s)
+        assert list(p.admission_order()) == [seqs[i] for i in want] and not p.backfill
+    assert ClairvoyantPolicy(lengths).backfill and ClairvoyantPolicy(lengths).order == "lpt"
+    with pytest.raises(ValueError):
+        ClairvoyantPolicy(lengths, order="random")
+
+
 def test_longest_max_tokens_first_reads_only_max_tokens_and_drains_every_request():
     from bench_throughput import LongestMaxTokensFirst  # noqa: PLC0415
     p = LongestMaxTokensFirst()
