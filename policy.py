@@ -472,23 +472,28 @@ class VTCPolicy:
     # -------------------------------------------------------- preemption
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
-        """A request of a user holding more than its weighted fair share of the KV blocks held
-        by ``running`` (``over_served`` by blocks), if any user does (else any request): among
-        those, the one preempted the fewest times, then the one with the fewest computed tokens
-        (the least recompute lost), then the latest admitted (``spec.fairness_rules.victim_before``).
+        """The request to preempt by recompute (``spec.fairness_rules.victim_before``).
 
-        Never preempts a user below its share (``docs/fairness.md``, section 3).
+        Requests of light users (``light_user`` by the KV blocks ``running`` holds: less than
+        a quarter of the user's weighted fair share) go last; among the rest, the request
+        preempted the fewest times, then the one with the fewest computed tokens (the least
+        recompute lost), then the latest admitted.
+
+        Why not "over-served users first", as this rule was: restricting victims to users above
+        their share passes over cheaper victims of users near their share. Over 8 workload seeds
+        (4 trace windows) that cost 0.013 of the throughput bound on ``azure-conv`` and 0.012 on
+        ``mooncake-conv`` (``docs/fairness.md``, section 3).
         """
         blocks: dict[str, int] = {}
         for s in running:
             blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
         total = sum(blocks.values())
         total_w = sum(self.weight_of(u) for u in blocks)
-        over = {u for u, b in blocks.items() if fr.over_served(b, self.weight_of(u), total, total_w)}
+        light = {u for u, b in blocks.items() if fr.light_user(b, self.weight_of(u), total, total_w)}
         best = None
         for s in running:
-            if best is None or fr.victim_before(s.user_id in over, s.num_preemptions, s.num_computed_tokens, s.admit_no,
-                                                best.user_id in over, best.num_preemptions,
+            if best is None or fr.victim_before(s.user_id in light, s.num_preemptions, s.num_computed_tokens,
+                                                s.admit_no, best.user_id in light, best.num_preemptions,
                                                 best.num_computed_tokens, best.admit_no):
                 best = s
         return best

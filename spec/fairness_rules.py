@@ -112,19 +112,31 @@ def protected_next(was_protected: Bool, demand: Int, weight: Int, total_count: I
     return Or(enter, And(Not(leave), was_protected))
 
 
-def victim_before(over_a: Bool, preempts_a: Int, computed_a: Int, admit_a: Int,
-                  over_b: Bool, preempts_b: Int, computed_b: Int, admit_b: Int) -> Bool:
+def light_user(count: Int, weight: Int, total_count: Int, total_weight: Int,
+               num: Int = 1, den: Int = 4) -> Bool:
+    """The user holds less than ``num/den`` of its weighted fair share of the batch:
+    ``count/total < (num/den) * weight/W`` (``count``, ``total_count``: KV blocks held).
+
+    Such a user is shielded from growth preemption (``victim_before``): a light user, e.g.
+    user B of the A/B burst, keeps its few requests while a heavy one holds the cache.
+    """
+    return count * total_weight * den < num * weight * total_count
+
+
+def victim_before(light_a: Bool, preempts_a: Int, computed_a: Int, admit_a: Int,
+                  light_b: Bool, preempts_b: Int, computed_b: Int, admit_b: Int) -> Bool:
     """Request a is preempted before request b.
 
-    A request of a user holding more than its weighted fair share of the KV blocks
-    (``over_served`` by blocks) goes first; among equals, the one preempted fewer times
-    (``preempts_*``: spreading preemptions keeps requests from being pinned, and a pinned
-    request holds its worst-case blocks); then the one with the fewest computed tokens
+    A request of a user that is not light (``light_user`` by KV blocks: holding at least a
+    quarter of its weighted fair share) goes first; among equals, the one preempted fewer
+    times (``preempts_*``: spreading preemptions keeps requests from being pinned, and a
+    pinned request holds its worst-case blocks); then the one with the fewest computed tokens
     (``computed_*``: the recompute it loses); then the latest admitted (``admit_*``, the
-    admission sequence number).
+    admission sequence number). Source of the cost order: SGLang's decode retraction (the
+    request with the least progress goes first); vLLM V1 takes the latest admitted.
     """
-    return Or(And(over_a, Not(over_b)),
-              And(over_a == over_b,
+    return Or(And(Not(light_a), light_b),
+              And(light_a == light_b,
                   Or(preempts_a < preempts_b,
                      And(preempts_a == preempts_b,
                          Or(computed_a < computed_b, And(computed_a == computed_b, admit_a > admit_b))))))

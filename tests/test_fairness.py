@@ -178,7 +178,7 @@ def test_no_admission_in_a_tick_that_preempted_and_no_victim_admitted_in_the_sam
         assert all(0 <= at < t for at in s.victim_admit_ticks[t])
 
 
-def test_every_running_request_needing_a_block_in_the_same_tick_preempts_the_most_served_user():
+def test_every_running_request_needing_a_block_in_the_same_tick_preempts_one_request_once():
     s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=8, isolation=False)
     reqs = [make_req("x0", user="big", n_prompt=31, max_tokens=20), make_req("x1", user="big", n_prompt=31,
                                                                           max_tokens=20),
@@ -190,7 +190,8 @@ def test_every_running_request_needing_a_block_in_the_same_tick_preempts_the_mos
     s.tick()  # z0 admitted: 8 of 8
     s.tick()  # every resident request needs a block now
     victims = [q for p in s.plans for q in p.preempted]
-    assert victims and victims[0].user_id == "big" and victims[0].request_id == "x1"  # most blocks, newest
+    # x0, y0, x1 hold 2 blocks each with 31 tokens computed (z0 did not fit): the newest goes
+    assert victims and victims[0].request_id == "x1" and len(victims) == len(set(victims))
     assert len(drain(s)) == 4 and all(len(r.generated) == 20 for r in reqs)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from inference_stub import Request
 from policy import MAX_DRAIN_PASSES, VTCPolicy, remaining_iterations
+from spec import fairness_rules as fr
 
 
 @dataclass(eq=False)
@@ -33,11 +34,22 @@ class Seq:
         return self.num_prompt_tokens + len(self.req.generated)
 
 
-def test_victim_is_the_over_served_request_with_the_least_recompute_not_the_newest():
+def test_victim_is_the_request_with_the_least_recompute_not_the_newest_and_never_a_light_users():
     old_cheap = Seq("a", 0, admit_no=1, num_computed_tokens=20, block_table=[0] * 4)
     new_costly = Seq("a", 1, admit_no=2, num_computed_tokens=500, block_table=[0] * 4)
     light = Seq("b", 2, admit_no=3, num_computed_tokens=1, block_table=[0])
-    assert VTCPolicy().choose_victim([old_cheap, new_costly, light]) is old_cheap  # b is below its share
+    # b holds 1 of 9 blocks: under a quarter of its share (4.5), so never the victim while a's can be
+    assert VTCPolicy().choose_victim([old_cheap, new_costly, light]) is old_cheap
+    assert VTCPolicy().choose_victim([light]) is light  # nobody else: a light user's request can go
+
+
+def test_victim_may_belong_to_a_user_below_its_share_when_it_loses_the_least():
+    a_cheap = Seq("a", 0, admit_no=1, num_computed_tokens=400, block_table=[0] * 6)
+    a_costly = Seq("a", 1, admit_no=2, num_computed_tokens=500, block_table=[0] * 6)
+    b_cheapest = Seq("b", 2, admit_no=3, num_computed_tokens=30, block_table=[0] * 2)
+    # b holds 2 of 14 blocks: below its share (7) but not light (under 1.75): least recompute lost
+    assert VTCPolicy().choose_victim([a_cheap, a_costly, b_cheapest]) is b_cheapest
+    assert fr.light_user(1, 1, 9, 2) and not fr.light_user(2, 1, 14, 2) and not fr.light_user(2, 1, 16, 2)
 
 
 def test_victim_spreads_preemptions_before_it_looks_at_recompute():
