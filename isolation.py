@@ -365,7 +365,8 @@ class Isolation:
                 free, budget, slots = free - need, budget - n, slots - 1
             else:
                 left.append(q)
-        if left and r not in d.grants and self._preempt_for(d, sched, [q for q in d.admitted if q.user_id in protected] + targets, over):
+        wanted = [q for q in d.admitted if q.user_id in protected] + targets
+        if left and r not in d.grants and self._preempt_for(d, sched, wanted, over):  # it would drop r's admission
             return
         if not fits:
             return
