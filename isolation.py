@@ -307,6 +307,8 @@ class Isolation:
             return
         if not fr.sit_out_allowed(self.streak, self.max_sit_out_ticks):
             return
+        if r is not None and r in d.grants:  # the reservation holder's admission is never cut
+            keep.add(r)
         cut = [q for q in d.order if q not in keep] + [q for q in d.admitted if q not in keep]
         if not cut:
             return
@@ -349,7 +351,8 @@ class Isolation:
         possible, together with the protected requests admitted this iteration: then this
         iteration admits nothing, and the first of them holds the reservation for the next.
         """
-        deferred = [q for q in d.admitted if q.user_id in over]
+        r = sched._reserved  # admitted this iteration: nothing goes before it (docs/fairness.md section 4)
+        deferred = [q for q in d.admitted if q.user_id in over and q is not r]
         free = d.free_blocks + sum(d.grants[q][1] for q in deferred)
         budget = d.budget_tokens + sum(d.grants[q][0] for q in deferred)
         slots = sched.max_running - (len(d.live) + len(d.admitted) - len(deferred))
@@ -362,7 +365,8 @@ class Isolation:
                 free, budget, slots = free - need, budget - n, slots - 1
             else:
                 left.append(q)
-        if left and self._preempt_for(d, sched, [q for q in d.admitted if q.user_id in protected] + targets, over):
+        wanted = [q for q in d.admitted if q.user_id in protected] + targets
+        if left and r not in d.grants and self._preempt_for(d, sched, wanted, over):  # it would drop r's admission
             return
         if not fits:
             return
