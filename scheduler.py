@@ -944,7 +944,7 @@ class Scheduler:
             raise InvalidRequestError("prompt must be a non-empty list of token ids")
         hi = self.vocab_size
         for t in prompt:
-            if not _is_int(t) or t < 0 or (hi is not None and t >= hi):
+            if (type(t) is not int and not _is_int(t)) or t < 0 or (hi is not None and t >= hi):
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in 0..{'' if hi is None else hi - 1}, got {t!r}")
         if not isinstance(request.generated, list) or request.generated:
