@@ -7,6 +7,7 @@ inference trace 2023 (Patel et al., Splitwise, ISCA 2024) and the Mooncake FAST'
 from __future__ import annotations
 
 import csv
+import math
 import os
 import random
 from pathlib import Path
@@ -31,7 +32,15 @@ def stream(n: int = 50, lam: float = 5.0, seed: int = 42) -> list[Request]:
         from the start (non-decreasing), prompt length uniform in 5..199 tokens (ids 1..63),
         ``max_tokens`` uniform in 10..99, users ``u1``..``u5``. The caller decides when to
         submit them.
+
+    Raises:
+        ValueError: ``n`` is not an int >= 0, or ``lam`` is not a finite number > 0 (a
+            negative rate gave decreasing, negative arrival offsets; 0 a ZeroDivisionError).
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 < lam < math.inf:
+        raise ValueError(f"lam must be a finite number of requests/s > 0, got {lam!r}")
     rng = random.Random(seed)
     t = 0.0
     out: list[Request] = []

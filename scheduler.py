@@ -255,7 +255,10 @@ class Scheduler:
             for it (``VTCPolicy`` does; FCFS and round robin pack the cache as vLLM V1 does).
 
     Raises:
-        ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int).
+        ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int;
+            ``eos_token_id``: an int >= 0), ``clock`` is not callable, ``backend`` neither
+            callable nor with ``execute_model``, ``policy`` lacks a ``policy.Policy`` method, or a
+            flag is not a bool (``isolation``: also an ``Isolation``); the message names it.
 
     Thread safety: ``submit``, ``abort``, ``has_active`` and ``metrics`` may be called from
     other threads while ``tick()`` runs; ``forward`` is called without holding the state lock,
@@ -295,7 +298,13 @@ class Scheduler:
                                              if token_budget_tokens is None else token_budget_tokens)
         self.max_running = _positive("max_running", max_running)
         self.eos_token_id = getattr(stub, "EOS_TOKEN", 0) if eos_token_id is None else eos_token_id
+        if isinstance(self.eos_token_id, bool) or not isinstance(self.eos_token_id, int) or self.eos_token_id < 0:
+            raise ValueError(f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
         self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
+        if self.vocab_size is not None:
+            _positive("vocab_size", self.vocab_size)
+        _check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
+                     check_invariants=check_invariants, admission_headroom=admission_headroom)
         self.clock: Callable[[], float] = clock or time.time
         self._backend = backend
         self.policy: Policy = policy if policy is not None else VTCPolicy()
@@ -342,7 +351,8 @@ class Scheduler:
 
         Raises:
             InvalidRequestError: empty ``user_id``; a prompt that is empty, not a list of
-                ints, or has ids outside ``0..vocab_size-1``; ``max_tokens`` not an int >= 1.
+                ints, or has ids outside ``0..vocab_size-1``; ``max_tokens`` not an int >= 1
+                (an int is an ``int`` or another ``numbers.Integral`` such as ``np.int64``, never a bool).
             PromptTooLongError: the prompt plus its first output token needs more than
                 ``kv_cap_blocks`` blocks (it could never run).
             DuplicateRequestError: the object, or its non-empty ``request_id``, is in flight.
@@ -385,7 +395,8 @@ class Scheduler:
 
         Raises:
             BackendError: ``forward`` raised or returned a wrong number of tokens or a
-                non-int; the tick is not applied, so calling ``tick()`` again retries it.
+                non-int (a list, a tuple, or an array with ``tolist()``: numpy, torch); the
+                tick is not applied, so calling ``tick()`` again retries it.
             InvariantViolation: with ``check_invariants``, a spec invariant failed after the
                 tick (a scheduler bug; the tick was applied).
             BaseException: one that is not an ``Exception`` (``KeyboardInterrupt``) raised
@@ -409,6 +420,8 @@ class Scheduler:
                         backend = self._checker.count_forward(backend)
                 try:
                     tokens = execute_model(batch_items(plan)) if execute_model else backend(batch)
+                    if not isinstance(tokens, (list, tuple)) and hasattr(tokens, "tolist"):
+                        tokens = tokens.tolist()  # a numpy array or torch tensor of token ids
                     self._check_tokens(tokens, batch)
                 except BaseException as e:  # any failure undoes the tick, even KeyboardInterrupt
                     with self._lock:
@@ -924,14 +937,14 @@ class Scheduler:
         if request.request_id and request.request_id in self._by_id:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
         mt = request.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        if not _is_int(mt) or mt < 1:
             raise InvalidRequestError(f"max_tokens must be an int >= 1, got {mt!r}")
         prompt = request.prompt
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise InvalidRequestError("prompt must be a non-empty list of token ids")
         hi = self.vocab_size
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (hi is not None and t >= hi):
+            if (type(t) is not int and not _is_int(t)) or t < 0 or (hi is not None and t >= hi):
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in 0..{'' if hi is None else hi - 1}, got {t!r}")
         if not isinstance(request.generated, list) or request.generated:
@@ -991,6 +1004,37 @@ def _unit_weight(user: str) -> int:
 def _in_plan(seq: _Seq, plan: SchedulePlan) -> bool:
     """Whether ``seq`` takes part in ``plan`` (in its batch or among its preempted)."""
     return any(s.seq is seq for s in plan.batch) or any(p is seq for p in plan.preempted)
+
+
+#: What ``schedule()`` and ``submit`` call on a policy (``policy.Policy``).
+_POLICY_METHODS = ("__len__", "add", "requeue", "remove", "admission_order", "on_service", "choose_victim")
+
+
+def _check_knobs(*, clock: Any, backend: Any, policy: Any, isolation: Any, record_itl: Any, check_invariants: Any,
+                 admission_headroom: Any) -> None:
+    """Refuse, at construction, a knob that would fail later inside ``submit`` or ``tick``.
+
+    Raises:
+        ValueError: naming the knob.
+    """
+    if clock is not None and not callable(clock):
+        raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+    if backend is not None and not callable(backend) and not callable(getattr(backend, "execute_model", None)):
+        raise ValueError(f"backend must be forward(batch) -> tokens or have execute_model, got {backend!r}")
+    if policy is not None and not all(hasattr(policy, m) for m in _POLICY_METHODS + ("backfill",)):
+        raise ValueError(f"policy must implement policy.Policy ({', '.join(_POLICY_METHODS)}, backfill), "
+                         f"got {policy!r}")
+    if isolation is not None and not isinstance(isolation, (bool, Isolation)):
+        raise ValueError(f"isolation must be None, a bool or an isolation.Isolation, got {isolation!r}")
+    for name, v, none_ok in (("record_itl", record_itl, False), ("check_invariants", check_invariants, True),
+                             ("admission_headroom", admission_headroom, True)):
+        if not isinstance(v, bool) and not (none_ok and v is None):
+            raise ValueError(f"{name} must be a bool{' or None' if none_ok else ''}, got {v!r}")
+
+
+def _is_int(v: Any) -> bool:
+    """An integer token id or length: an ``int`` or another ``numbers.Integral`` (``np.int64``), never a bool."""
+    return type(v) is int or (not isinstance(v, bool) and isinstance(v, numbers.Integral))
 
 
 def _positive(name: str, v: Any) -> int:

@@ -13,6 +13,7 @@ time by its latency model instead of sleeping, and idle gaps are skipped.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -149,26 +150,57 @@ def format_metrics(m: dict, result: RunResult | None = None) -> str:
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
+def _count(lo: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``lo``."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise ValueError(text)
+        return v
+    parse.__name__ = f"int >= {lo}"  # argparse names the type in its message
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    v = float(text)
+    if not 0 < v < math.inf:
+        raise ValueError(text)
+    return v
+
+
+def _probability(text: str) -> float:
+    """An argparse type: a float in [0, 1]."""
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise ValueError(text)
+    return v
+
+
+_positive_float.__name__ = "finite number > 0"
+_probability.__name__ = "probability in [0, 1]"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status."""
     p = argparse.ArgumentParser(prog="simulate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="a normalised trace CSV (path, or a file name in ../shared/traces/)")
-    p.add_argument("--limit", type=int, default=None, help="first N trace rows only")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival offsets by this")
-    p.add_argument("--users", type=int, default=5, help="users to spread a trace's requests over (traces have none)")
-    p.add_argument("--n", type=int, default=50, help="requests from request_gen.stream (default 50)")
-    p.add_argument("--rate", type=float, default=5.0, help="stream arrival rate, requests/s (default 5)")
+    p.add_argument("--limit", type=_count(0), default=None, help="first N trace rows only")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply trace arrival offsets by this")
+    p.add_argument("--users", type=_count(1), default=5, help="users to spread a trace's requests over (traces have none)")
+    p.add_argument("--n", type=_count(0), default=50, help="requests from request_gen.stream (default 50)")
+    p.add_argument("--rate", type=_positive_float, default=5.0, help="stream arrival rate, requests/s (default 5)")
     p.add_argument("--seed", type=int, default=42, help="workload seed (default 42)")
     p.add_argument("--clock", choices=("real", "virtual"), default=None,
                    help="real: the stub sleeps (default for stream); virtual: simulated time (default for traces)")
     p.add_argument("--gpu-seed", type=int, default=0, help="seeded token streams per request (default 0)")
-    p.add_argument("--eos-probability", type=float, default=None,
+    p.add_argument("--eos-probability", type=_probability, default=None,
                    help="chance of an early EOS per token (default 0.02 for stream; 0 for traces, so each "
                         "request runs to its recorded output length)")
-    p.add_argument("--kv-cap-blocks", type=int, default=None, help="KV cache size in blocks (default 256)")
-    p.add_argument("--max-running", type=int, default=None, help="most resident requests (default 256)")
-    p.add_argument("--token-budget", type=int, default=None, help="tokens per iteration (default: cache size)")
+    p.add_argument("--kv-cap-blocks", type=_count(1), default=None, help="KV cache size in blocks (default 256)")
+    p.add_argument("--max-running", type=_count(1), default=None, help="most resident requests (default 256)")
+    p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--backend", choices=("stub", "model"), default="stub",
                    help="stub: the simulated GPU (default); model: a Hugging Face Llama-family model on a paged "
@@ -183,7 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--backend model runs on the real clock (its iteration time is the model's)")
 
     if a.trace:
-        reqs = request_gen.load_trace(a.trace, limit=a.limit, time_scale=a.time_scale, users=a.users, seed=a.seed)
+        try:
+            reqs = request_gen.load_trace(a.trace, limit=a.limit, time_scale=a.time_scale, users=a.users, seed=a.seed)
+        except (FileNotFoundError, ValueError) as e:  # no such trace, or a malformed row
+            p.error(str(e))
         label = f"trace {a.trace} ({len(reqs)} requests, time scale {a.time_scale})"
     else:
         reqs = request_gen.stream(n=a.n, lam=a.rate, seed=a.seed)
