@@ -394,9 +394,9 @@ class Scheduler:
             returned here (``abort`` returns them).
 
         Raises:
-            BackendError: ``forward`` raised or returned a wrong number of tokens or a
-                non-int (a list, a tuple, or an array with ``tolist()``: numpy, torch); the
-                tick is not applied, so calling ``tick()`` again retries it.
+            BackendError: ``forward`` raised, or returned a wrong number of tokens or a
+                non-int (it may return a list, a tuple, or an array with ``tolist()``: numpy,
+                torch); the tick is not applied, so calling ``tick()`` again retries it.
             InvariantViolation: with ``check_invariants``, a spec invariant failed after the
                 tick (a scheduler bug; the tick was applied).
             BaseException: one that is not an ``Exception`` (``KeyboardInterrupt``) raised
@@ -955,6 +955,8 @@ class Scheduler:
                 f"prompt of {n} tokens needs {rules.blocks_needed(n, self.block_tokens)} KV blocks of "
                 f"{self.block_tokens} tokens with its first output token, but the cache holds "
                 f"{self.kv_cap_blocks} blocks (prompt must be < {self.max_model_len_tokens} tokens)")
+        if type(mt) is not int:  # np.int64 and the like: a plain int from here on (same value)
+            request.max_tokens = int(mt)
         return n
 
     @staticmethod

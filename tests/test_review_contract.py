@@ -36,6 +36,7 @@ def test_numpy_integers_in_a_request_are_accepted():
     s = Scheduler(backend=b)
     r = Request(user_id="u1", prompt=list(np.arange(70, dtype=np.int64) % 63 + 1), max_tokens=np.int64(5), request_id="n")
     s.submit(r)
+    assert type(r.max_tokens) is int and r.max_tokens == 5  # a plain int inside the scheduler
     assert drain(s) == [r]
     assert len(r.generated) == 5
 
