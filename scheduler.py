@@ -328,7 +328,7 @@ class Scheduler:
         self.pool = BlockPool(self.kv_cap_blocks)
         self.running: list[_Seq] = []
         self._by_obj: dict[int, _Seq] = {}
-        self._by_id: dict[str, _Seq] = {}
+        self._by_id: dict[str, _Seq | list[_Seq]] = {}  # a list only for an id in flight twice
         self._arrivals = 0
         self._admissions = 0
         self._lock = threading.RLock()
@@ -355,7 +355,10 @@ class Scheduler:
                 (an int is an ``int`` or another ``numbers.Integral`` such as ``np.int64``, never a bool).
             PromptTooLongError: the prompt plus its first output token needs more than
                 ``kv_cap_blocks`` blocks (it could never run).
-            DuplicateRequestError: the object, or its non-empty ``request_id``, is in flight.
+            DuplicateRequestError: this ``Request`` object is in flight. Another object with
+                the same ``request_id`` is accepted: the contract does not make ids unique (a
+                harness may number user A's and user B's requests alike); ``abort(request_id)``
+                then reaches the oldest in flight.
 
         On any error nothing changes except the refusal count in ``metrics()`` (the request's
         fields included: on acceptance only, ``submitted_at`` is stamped and ``started_at``,
@@ -377,8 +380,15 @@ class Scheduler:
             seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt)
             self._arrivals += 1
             self._by_obj[id(request)] = seq
-            if request.request_id:
-                self._by_id[request.request_id] = seq
+            rid = request.request_id
+            if rid:  # ids may repeat (the contract does not make them unique): keep all, oldest first
+                cur = self._by_id.get(rid)
+                if cur is None:
+                    self._by_id[rid] = seq
+                elif type(cur) is list:
+                    cur.append(seq)
+                else:
+                    self._by_id[rid] = [cur, seq]
             self.stats.on_submit(now)
             self.policy.add(seq)
             self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
@@ -460,7 +470,8 @@ class Scheduler:
         waiting. When two threads abort the same in-flight request, one gets it.
 
         Args:
-            request: the ``Request`` object, or its non-empty ``request_id``.
+            request: the ``Request`` object, or its non-empty ``request_id`` (an id in flight
+                more than once: the oldest of them).
 
         Returns:
             The aborted ``Request``; ``None`` when nothing live matches (unknown, empty or
@@ -802,7 +813,8 @@ class Scheduler:
     def _lookup(self, request: Any) -> _Seq | None:
         """The live record for a ``Request`` object or a non-empty ``request_id``, else None."""
         if isinstance(request, str):
-            return self._by_id.get(request) if request else None
+            cur = self._by_id.get(request) if request else None
+            return cur[0] if type(cur) is list else cur  # a repeated id: the oldest in flight
         return self._by_obj.get(id(request))
 
     def _retire(self, seq: _Seq, reason: str, now_s: float) -> Request:
@@ -920,8 +932,14 @@ class Scheduler:
     def _forget(self, seq: _Seq) -> None:
         seq.decode_entry = None  # it points back at seq: break the cycle so refcounting frees the request
         self._by_obj.pop(id(seq.req), None)
-        if seq.req.request_id and self._by_id.get(seq.req.request_id) is seq:
-            del self._by_id[seq.req.request_id]
+        rid = seq.req.request_id
+        cur = self._by_id.get(rid) if rid else None
+        if cur is seq:
+            del self._by_id[rid]
+        elif type(cur) is list:  # a repeated id
+            cur[:] = [q for q in cur if q is not seq]
+            if len(cur) == 1:
+                self._by_id[rid] = cur[0]
 
     def _validate(self, request: Any) -> int:
         """Check a request at submit; return its prompt length in tokens."""
@@ -934,8 +952,6 @@ class Scheduler:
             raise InvalidRequestError(f"request_id must be a str, got {type(request.request_id).__name__}")
         if id(request) in self._by_obj:  # before field checks: an in-flight object has tokens
             raise DuplicateRequestError(f"this Request object (request_id={request.request_id!r}) is already in flight")
-        if request.request_id and request.request_id in self._by_id:
-            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
         mt = request.max_tokens
         if not _is_int(mt) or mt < 1:
             raise InvalidRequestError(f"max_tokens must be an int >= 1, got {mt!r}")

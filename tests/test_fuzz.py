@@ -78,7 +78,7 @@ def model_accepts(req, cap_blocks, block_tokens, live):
         return False
     if math.ceil((len(p) + 1) / block_tokens) > cap_blocks:
         return False
-    if any(r is req for r in live) or (req.request_id and any(r.request_id == req.request_id for r in live)):
+    if any(r is req for r in live):  # the same object; a repeated request_id is accepted
         return False
     return True
 

@@ -171,7 +171,7 @@ def test_bad_input_is_refused_with_a_typed_error_and_changes_nothing(bad, field)
     assert not s.has_active() and s.metrics()["refusals"] == 1
 
 
-def test_duplicate_object_or_id_in_flight_refused():
+def test_duplicate_object_in_flight_refused_but_a_repeated_id_accepted():
     s = new()
     r = make_req("x")
     s.submit(r)
@@ -181,11 +181,14 @@ def test_duplicate_object_or_id_in_flight_refused():
     assert r.generated  # in flight with tokens: still a duplicate, not a malformed request
     with pytest.raises(DuplicateRequestError):
         s.submit(r)
-    with pytest.raises(DuplicateRequestError):
-        s.submit(make_req("x"))
+    twin, third = make_req("x"), make_req("x")  # another object, same id: the contract allows it
+    s.submit(twin)
+    s.submit(third)
+    assert s.abort("x") is r and s.abort("x") is twin  # by id: the oldest in flight
+    assert s.abort(third) is third and s.abort("x") is None
     s.submit(make_req(""))
     s.submit(make_req(""))  # empty ids never clash
-    assert len(drain(s)) == 3 and s.metrics()["refusals_by_reason"] == {"DuplicateRequestError": 3}
+    assert len(drain(s)) == 2 and s.metrics()["refusals_by_reason"] == {"DuplicateRequestError": 2}
     s.submit(make_req("x"))  # finished ids may be reused
     assert len(drain(s)) == 1
 

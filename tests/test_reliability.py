@@ -110,7 +110,7 @@ def test_refusals_counted_by_kind_and_valid_traffic_unaffected():
     with pytest.raises(PromptTooLongError):
         s.submit(make_req("big", n_prompt=64))
     with pytest.raises(DuplicateRequestError):
-        s.submit(make_req("live"))
+        s.submit(live)
     m = s.metrics()
     assert m["refusals"] == 5
     assert m["refusals_by_reason"] == {"InvalidRequestError": 3, "PromptTooLongError": 1,

@@ -86,3 +86,17 @@ def test_main_job_refuses_bad_arguments_with_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         simulate.main(argv + ["--no-progress", "--clock", "virtual"])
     assert e.value.code == 2 and "simulate: error:" in capsys.readouterr().err
+
+
+def test_ab_burst_with_ids_repeated_across_users_runs_every_request():
+    """A harness may number user A's and user B's requests alike (``str(i)`` in two loops):
+    every request is accepted, runs once and finishes; the cap holds throughout."""
+    b = ScriptedBackend()
+    s = Scheduler(backend=b, check_invariants=True)
+    reqs = [make_req(str(i), user="A", n_prompt=40, max_tokens=8) for i in range(30)]
+    reqs += [make_req(str(i), user="B", n_prompt=10, max_tokens=4) for i in range(5)]
+    for r in reqs:
+        s.submit(r)
+    done = drain(s)
+    assert sorted(map(id, done)) == sorted(map(id, reqs))
+    assert all(len(r.generated) == r.max_tokens for r in reqs) and not s._by_id
