@@ -1,9 +1,9 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench_throughput.py                # all three experiments (about 3 minutes on 2 cores)
-    python bench_throughput.py --seeds 8      # only the seed spread, 8 seeds
-    python bench_throughput.py --only sweep   # one experiment: seeds, sweep, knobs, l2 or lpt
+    python bench_throughput.py                # every experiment (about 10 minutes on 2 cores)
+    python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
+    python bench_throughput.py --only sweep   # one experiment: seeds, sweep, knobs, l2, lpt, orders or victims
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
 workload's upper bound, ``bench.throughput_upper_bound``):
@@ -23,6 +23,12 @@ workload's upper bound, ``bench.throughput_upper_bound``):
 * ``lpt``: longest ``max_tokens`` first with backfill (a deployable policy: it reads only
   ``max_tokens``) against Batch and the clairvoyant oracle; on the trace workloads, whose
   requests run to ``max_tokens``, it knows what the oracle knows.
+* ``orders``: the oracle's list rule told the true output lengths, with each admission order
+  (longest first, shortest first, arrival) and with backfill on and off: the best fraction of
+  the bound any of these rules reaches, and its TTFT p99.
+* ``victims``: the victim rule over 8 workload seeds (A/B burst, long requests) and 4 trace
+  windows (rows 0-599, 600-1199, ... of the Azure conversation trace; 200-row windows of the
+  Mooncake trace): Batch as shipped, the rule it replaced, and no user shielded.
 """
 from __future__ import annotations
 
@@ -35,12 +41,15 @@ import numpy as np
 
 import bench
 import policy
+import request_gen
 import workloads
 from oracle import ClairvoyantPolicy
+from policy import VTCPolicy
 from scheduler import Scheduler
+from spec import fairness_rules as fr
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
-EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders")
+EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims")
 
 
 def _workload(name: str) -> workloads.Workload:
@@ -68,6 +77,78 @@ def seed_spread(n_seeds: int, policies: Sequence[str] = ("Batch", "FCFS-recomput
     return lines
 
 
+class OverServedVictim(VTCPolicy):
+    """VTC with the victim rule Batch shipped before: only a user holding more than its
+    weighted share of the KV blocks (``over_served``) may lose a request, if any does; among
+    those the same order (fewest preemptions, fewest computed tokens, latest admitted)."""
+
+    def choose_victim(self, running: Sequence[Any]) -> Any:
+        return _victim(self, running, lambda b, w, total, total_w: not fr.over_served(b, w, total, total_w))
+
+
+class UnshieldedVictim(VTCPolicy):
+    """VTC with no user shielded: the request that loses the least, whoever's it is."""
+
+    def choose_victim(self, running: Sequence[Any]) -> Any:
+        return _victim(self, running, lambda b, w, total, total_w: False)
+
+
+def _victim(p: VTCPolicy, running: Sequence[Any], shielded: Callable[[int, int, int, int], bool]) -> Any:
+    blocks: dict[str, int] = {}
+    for s in running:
+        blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
+    total, total_w = sum(blocks.values()), sum(p.weight_of(u) for u in blocks)
+    last = {u for u, b in blocks.items() if shielded(b, p.weight_of(u), total, total_w)}
+    return min(running, key=lambda s: (s.user_id in last, s.num_preemptions, s.num_computed_tokens, -s.admit_no))
+
+
+def _trace_window(file: str, rows: int, k: int, users_seed: int) -> list:
+    """Rows ``k*rows .. (k+1)*rows - 1`` of a trace, arrivals re-based to start at 0."""
+    reqs = request_gen.load_trace(file, limit=rows * (k + 1), users=5, seed=users_seed)[rows * k:]
+    t0 = reqs[0].submitted_at
+    for r in reqs:
+        r.submitted_at -= t0
+    return reqs
+
+
+def victim_rules(n_seeds: int = 8, n_windows: int = 4) -> list[str]:
+    """The victim rule over workload seeds and trace windows: Batch as shipped (light users'
+    requests last), the previous rule (over-served users only) and no shield. Mean fraction
+    of the bound, and mean TTFT p99 over the shipped rule's on the same seed or window."""
+    variants: dict[str, Callable[..., Scheduler]] = {
+        "light users last (shipped)": lambda **kw: Scheduler(**kw),
+        "over-served users only (before)": lambda **kw: Scheduler(policy=OverServedVictim(), **kw),
+        "no user shielded": lambda **kw: Scheduler(policy=UnshieldedVictim(), **kw)}
+    cases: list[tuple[str, Callable[[], list]]] = []
+    for s in range(n_seeds):
+        cases.append(("ab-burst", lambda s=s: workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=s)))
+        cases.append(("long-kv", lambda s=s: workloads.long_requests(n=30, seed=s)))
+    for k in range(n_windows):
+        cases.append(("azure-conv", lambda k=k: _trace_window("norm_azure2023_conv.csv", 600, k, 8)))
+        cases.append(("mooncake-conv", lambda k=k: _trace_window("norm_mooncake_conversation.csv", 200, k, 9)))
+    got: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for name, build in cases:
+        w = replace(_workload(name), build=build)
+        b = bench.throughput_upper_bound(build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+        for label, make in variants.items():
+            bench.POLICIES[label] = make
+            try:
+                c = bench.run_cell(w, label)
+            finally:
+                del bench.POLICIES[label]
+            got.setdefault((name, label), []).append((bench.fraction(c, b), c.metrics["ttft_p99_s"]))
+    lines = ["| workload (runs) | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 1)]
+    for name in dict.fromkeys(n for n, _ in cases):
+        ref = np.array([t for _, t in got[(name, next(iter(variants)))]])
+        row = [f"{name} ({len(ref)})"]
+        for label in variants:
+            f = np.array([x for x, _ in got[(name, label)]])
+            t = np.array([y for _, y in got[(name, label)]])
+            row.append(f"{f.mean():.4f}, TTFT p99 {np.mean(t / ref):.3f}x")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def drain_sweep(shares: Sequence[tuple[int, int]] = ((1, 2), (1, 1), (2, 1), (4, 1), (100, 1))) -> list[str]:
     """Batch with ``policy.DRAIN_SHARE`` set to each share: fraction of the bound and TTFT p99
     over the best TTFT p99 among ``bench.POLICIES`` as shipped (measured here)."""
@@ -91,7 +172,6 @@ def drain_sweep(shares: Sequence[tuple[int, int]] = ((1, 2), (1, 1), (2, 1), (4,
 
 def knobs() -> list[str]:
     """Batch with one knob changed at a time, fraction of the bound per saturating workload."""
-    from policy import VTCPolicy  # noqa: PLC0415
     variants: dict[str, Callable[..., Scheduler]] = {
         "Batch (shipped)": lambda **kw: Scheduler(**kw),
         "backfill=True": lambda **kw: Scheduler(policy=VTCPolicy(backfill=True), **kw),
@@ -221,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("== L2 bin-packing bound against the area term ==", *l2_vs_area(), sep="\n", flush=True)
     if "lpt" in todo:
         print("== longest max_tokens first with backfill ==", *lpt_backfill(), sep="\n", flush=True)
+    if "victims" in todo:
+        print("== victim rules over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
+              *victim_rules(), sep="\n", flush=True)
     if "orders" in todo:
         print("== clairvoyant list rules: order x backfill (fraction of the bound, TTFT p99) ==",
               *clairvoyant_orders(), sep="\n", flush=True)
