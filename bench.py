@@ -512,7 +512,7 @@ def headline(results: list[WorkloadResult], when: str, where: str, overhead: dic
         row = [p]
         for n in cols:
             c = by[n].cells[p]
-            row.append(f"{c.metrics['throughput_tokens_per_sec']:.0f} ({fraction(c, by[n].bound):.2f})")
+            row.append(f"{c.metrics['throughput_tokens_per_sec']:.0f} ({fraction(c, by[n].bound):.3f})")
         if "stream-saturating" in by:
             m = by["stream-saturating"].cells[p].metrics
             row.append(f"{_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])}")
