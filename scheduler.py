@@ -471,7 +471,7 @@ class Scheduler:
 
         Args:
             request: the ``Request`` object, or its non-empty ``request_id`` (an id in flight
-                more than once: the oldest of them).
+                more than once: the oldest of them that no other ``abort`` call is waiting on).
 
         Returns:
             The aborted ``Request``; ``None`` when nothing live matches (unknown, empty or
@@ -814,7 +814,9 @@ class Scheduler:
         """The live record for a ``Request`` object or a non-empty ``request_id``, else None."""
         if isinstance(request, str):
             cur = self._by_id.get(request) if request else None
-            return cur[0] if type(cur) is list else cur  # a repeated id: the oldest in flight
+            if type(cur) is list:  # a repeated id: the oldest in flight not already being aborted
+                return next((q for q in cur if all(p is not q for p in self._pending_aborts)), cur[0])
+            return cur
         return self._by_obj.get(id(request))
 
     def _retire(self, seq: _Seq, reason: str, now_s: float) -> Request:

@@ -1,0 +1,37 @@
+"""Found by a fresh-eyes review of the repeated-id, victim and knob changes."""
+from __future__ import annotations
+
+import threading
+
+from conftest import drain, make_req
+from scheduler import Scheduler
+from test_reliability import Gate, wait_for
+
+
+def test_two_aborts_of_a_repeated_id_during_a_tick_reach_both_twins():
+    """Sequentially, abort("x") twice aborts both requests numbered "x". During a tick that holds
+    the oldest, the second abort used to find the same oldest (already claimed by the first),
+    return None, and leave the other twin running."""
+    gate = Gate()
+    gate.armed = False
+    s = Scheduler(backend=gate)
+    t0, t1 = make_req("x", max_tokens=50), make_req("x", max_tokens=50)
+    s.submit(t0)
+    s.submit(t1)
+    s.tick()  # both resident
+    gate.armed = True
+    ticker = threading.Thread(target=s.tick)
+    ticker.start()
+    assert gate.entered.wait(10)
+    out = []
+    a1 = threading.Thread(target=lambda: out.append(s.abort("x")))
+    a1.start()
+    wait_for(lambda: len(s._pending_aborts) == 1, "the first abort to be deferred")
+    a2 = threading.Thread(target=lambda: out.append(s.abort("x")))
+    a2.start()
+    wait_for(lambda: len(s._tick_done._waiters) == 2, "both aborts to wait for the tick")
+    gate.release.set()
+    for t in (ticker, a1, a2):
+        t.join(10)
+    assert sorted(map(id, out)) == sorted([id(t0), id(t1)])
+    assert not s.has_active() and not s._by_id
