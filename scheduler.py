@@ -298,11 +298,13 @@ class Scheduler:
                                              if token_budget_tokens is None else token_budget_tokens)
         self.max_running = _positive("max_running", max_running)
         self.eos_token_id = getattr(stub, "EOS_TOKEN", 0) if eos_token_id is None else eos_token_id
-        if isinstance(self.eos_token_id, bool) or not isinstance(self.eos_token_id, int) or self.eos_token_id < 0:
+        if not _is_int(self.eos_token_id) or self.eos_token_id < 0:
             raise ValueError(f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
+        self.eos_token_id = int(self.eos_token_id)  # np.int64 (a tokenizer's) as a plain int
         self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
         if self.vocab_size is not None:
-            _positive("vocab_size", self.vocab_size)
+            self.vocab_size = _positive("vocab_size", int(self.vocab_size) if _is_int(self.vocab_size)
+                                        else self.vocab_size)
         _check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
                      check_invariants=check_invariants, admission_headroom=admission_headroom)
         self.clock: Callable[[], float] = clock or time.time

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import threading
 
-from conftest import drain, make_req
+import pytest
+
+from conftest import ScriptedBackend, drain, make_req
 from scheduler import Scheduler
 from test_reliability import Gate, wait_for
 
@@ -35,3 +37,19 @@ def test_two_aborts_of_a_repeated_id_during_a_tick_reach_both_twins():
         t.join(10)
     assert sorted(map(id, out)) == sorted([id(t0), id(t1)])
     assert not s.has_active() and not s._by_id
+
+
+def test_numpy_integer_eos_and_vocab_size_are_accepted_as_before_the_knob_checks():
+    """``Scheduler(eos_token_id=np.int64(2), vocab_size=np.int64(64))`` worked before the
+    constructor checks (the values are only compared); the checks refused it. Accepted again,
+    stored as plain ints; a bool or a negative id stays refused."""
+    np = pytest.importorskip("numpy")
+    b = ScriptedBackend(eos_at={"e": 3})
+    s = Scheduler(backend=b, eos_token_id=np.int64(0), vocab_size=np.int64(64))
+    assert type(s.eos_token_id) is int and type(s.vocab_size) is int
+    r = make_req("e", max_tokens=10)
+    s.submit(r)
+    assert drain(s) == [r] and len(r.generated) == 3 and r.generated[-1] == 0
+    for bad in ({"eos_token_id": np.bool_(True)}, {"eos_token_id": np.int64(-1)}, {"vocab_size": np.int64(0)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Scheduler(**bad)
