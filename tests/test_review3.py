@@ -5,6 +5,8 @@ import threading
 
 import pytest
 
+import request_gen
+
 from conftest import ScriptedBackend, drain, make_req
 from scheduler import Scheduler
 from test_reliability import Gate, wait_for
@@ -53,3 +55,16 @@ def test_numpy_integer_eos_and_vocab_size_are_accepted_as_before_the_knob_checks
     for bad in ({"eos_token_id": np.bool_(True)}, {"eos_token_id": np.int64(-1)}, {"vocab_size": np.int64(0)}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Scheduler(**bad)
+
+
+def test_stream_takes_numpy_numbers_as_before_its_argument_checks():
+    """``stream(n=np.int64(3), lam=np.float32(2.5))`` worked before the argument checks and was
+    refused by them; accepted again, with plain-float arrival offsets."""
+    np = pytest.importorskip("numpy")
+    got = request_gen.stream(n=np.int64(3), lam=np.float32(2.5), seed=1)
+    assert [(r.request_id, r.submitted_at) for r in got] == [
+        (r.request_id, r.submitted_at) for r in request_gen.stream(n=3, lam=2.5, seed=1)]
+    assert all(type(r.submitted_at) is float for r in got)
+    for bad in ({"n": np.float64(3.0)}, {"n": np.int64(-1)}, {"lam": np.float64("nan")}, {"lam": np.bool_(True)}):
+        with pytest.raises(ValueError):
+            request_gen.stream(**bad)
