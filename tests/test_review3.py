@@ -6,7 +6,6 @@ import threading
 import pytest
 
 import request_gen
-
 from conftest import ScriptedBackend, drain, make_req
 from scheduler import Scheduler
 from test_reliability import Gate, wait_for
