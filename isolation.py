@@ -346,8 +346,8 @@ class Isolation:
         """Admit ``targets`` (protected users' requests that did not fit, in admission order).
 
         First by deferring this iteration's admissions of over-served users; if that does not
-        fit them all, by preempting over-served requests (most-served user first, latest
-        admitted first, never pinned ones, never one admitted this tick) for as many of them as
+        fit them all, by preempting over-served requests (in the policy's victim order over
+        them, never pinned ones, never one admitted this tick) for as many of them as
         possible, together with the protected requests admitted this iteration: then this
         iteration admits nothing, and the first of them holds the reservation for the next.
         """

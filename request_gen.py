@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import numbers
 import os
 import random
 from pathlib import Path
@@ -37,10 +38,11 @@ def stream(n: int = 50, lam: float = 5.0, seed: int = 42) -> list[Request]:
         ValueError: ``n`` is not an int >= 0, or ``lam`` is not a finite number > 0 (a
             negative rate gave decreasing, negative arrival offsets; 0 a ZeroDivisionError).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:  # np.int64 too
         raise ValueError(f"n must be an int >= 0, got {n!r}")
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 < lam < math.inf:
+    if isinstance(lam, bool) or not isinstance(lam, numbers.Real) or not 0 < lam < math.inf:
         raise ValueError(f"lam must be a finite number of requests/s > 0, got {lam!r}")
+    n, lam = int(n), float(lam)  # numpy scalars as plain numbers: submitted_at stays a float
     rng = random.Random(seed)
     t = 0.0
     out: list[Request] = []

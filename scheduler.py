@@ -298,11 +298,13 @@ class Scheduler:
                                              if token_budget_tokens is None else token_budget_tokens)
         self.max_running = _positive("max_running", max_running)
         self.eos_token_id = getattr(stub, "EOS_TOKEN", 0) if eos_token_id is None else eos_token_id
-        if isinstance(self.eos_token_id, bool) or not isinstance(self.eos_token_id, int) or self.eos_token_id < 0:
+        if not _is_int(self.eos_token_id) or self.eos_token_id < 0:
             raise ValueError(f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
+        self.eos_token_id = int(self.eos_token_id)  # np.int64 (a tokenizer's) as a plain int
         self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
         if self.vocab_size is not None:
-            _positive("vocab_size", self.vocab_size)
+            self.vocab_size = _positive("vocab_size", int(self.vocab_size) if _is_int(self.vocab_size)
+                                        else self.vocab_size)
         _check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
                      check_invariants=check_invariants, admission_headroom=admission_headroom)
         self.clock: Callable[[], float] = clock or time.time
@@ -471,7 +473,7 @@ class Scheduler:
 
         Args:
             request: the ``Request`` object, or its non-empty ``request_id`` (an id in flight
-                more than once: the oldest of them).
+                more than once: the oldest of them that no other ``abort`` call is waiting on).
 
         Returns:
             The aborted ``Request``; ``None`` when nothing live matches (unknown, empty or
@@ -814,7 +816,9 @@ class Scheduler:
         """The live record for a ``Request`` object or a non-empty ``request_id``, else None."""
         if isinstance(request, str):
             cur = self._by_id.get(request) if request else None
-            return cur[0] if type(cur) is list else cur  # a repeated id: the oldest in flight
+            if type(cur) is list:  # a repeated id: the oldest in flight not already being aborted
+                return next((q for q in cur if all(p is not q for p in self._pending_aborts)), cur[0])
+            return cur
         return self._by_obj.get(id(request))
 
     def _retire(self, seq: _Seq, reason: str, now_s: float) -> Request:
