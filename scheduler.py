@@ -226,7 +226,8 @@ class Scheduler:
         token_budget_tokens: most tokens processed per iteration, all requests together
             (default: the cache's capacity in tokens, so for the stub it never binds).
         max_running: most resident requests (256).
-        eos_token_id: the token that ends a request (``EOS_TOKEN``, 0).
+        eos_token_id: the token that ends a request (``EOS_TOKEN``, 0); a negative id never
+            matches, so requests end only at ``max_tokens`` or the cache length.
         vocab_size: prompts must use ids below this (``VOCAB_SIZE``; ``None`` disables).
         clock: a callable returning seconds; ``time.time`` by default.
         backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
@@ -256,7 +257,7 @@ class Scheduler:
 
     Raises:
         ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int;
-            ``eos_token_id``: an int >= 0), ``clock`` is not callable, ``backend`` neither
+            ``eos_token_id``: any int), ``clock`` is not callable, ``backend`` neither
             callable nor with ``execute_model``, ``policy`` lacks a ``policy.Policy`` method, or a
             flag is not a bool (``isolation``: also an ``Isolation``); the message names it.
 
@@ -298,8 +299,8 @@ class Scheduler:
                                              if token_budget_tokens is None else token_budget_tokens)
         self.max_running = _positive("max_running", max_running)
         self.eos_token_id = getattr(stub, "EOS_TOKEN", 0) if eos_token_id is None else eos_token_id
-        if not _is_int(self.eos_token_id) or self.eos_token_id < 0:
-            raise ValueError(f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
+        if not _is_int(self.eos_token_id):  # a negative id never matches: requests end at max_tokens or length
+            raise ValueError(f"eos_token_id must be an int, got {self.eos_token_id!r}")
         self.eos_token_id = int(self.eos_token_id)  # np.int64 (a tokenizer's) as a plain int
         self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
         if self.vocab_size is not None:

@@ -51,7 +51,7 @@ def test_numpy_integer_eos_and_vocab_size_are_accepted_as_before_the_knob_checks
     r = make_req("e", max_tokens=10)
     s.submit(r)
     assert drain(s) == [r] and len(r.generated) == 3 and r.generated[-1] == 0
-    for bad in ({"eos_token_id": np.bool_(True)}, {"eos_token_id": np.int64(-1)}, {"vocab_size": np.int64(0)}):
+    for bad in ({"eos_token_id": np.bool_(True)}, {"eos_token_id": np.float64(0.0)}, {"vocab_size": np.int64(0)}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Scheduler(**bad)
 
@@ -67,3 +67,13 @@ def test_stream_takes_numpy_numbers_as_before_its_argument_checks():
     for bad in ({"n": np.float64(3.0)}, {"n": np.int64(-1)}, {"lam": np.float64("nan")}, {"lam": np.bool_(True)}):
         with pytest.raises(ValueError):
             request_gen.stream(**bad)
+
+
+def test_a_negative_eos_token_id_never_matches():
+    """``eos_token_id=-1`` (worked before the knob checks): no token ends a request early."""
+    b = ScriptedBackend()
+    s = Scheduler(backend=b, eos_token_id=-1)
+    r = make_req("r", max_tokens=6)
+    b.eos_at["r"] = 2  # the backend's EOS (0) at the 2nd token is an ordinary token here
+    s.submit(r)
+    assert drain(s) == [r] and len(r.generated) == 6

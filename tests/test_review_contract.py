@@ -12,7 +12,7 @@ from scheduler import InvalidRequestError, Scheduler
 
 @pytest.mark.parametrize("knob", [
     {"clock": 5}, {"clock": "time"}, {"backend": 5}, {"policy": 5}, {"policy": "fcfs"},
-    {"eos_token_id": "x"}, {"eos_token_id": True}, {"eos_token_id": -1}, {"vocab_size": 0}, {"vocab_size": "64"},
+    {"eos_token_id": "x"}, {"eos_token_id": True}, {"eos_token_id": 1.0}, {"vocab_size": 0}, {"vocab_size": "64"},
     {"isolation": 5}, {"isolation": "yes"}, {"record_itl": "no"}, {"check_invariants": "x"},
     {"admission_headroom": "x"},
 ])
