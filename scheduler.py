@@ -129,6 +129,7 @@ class _Seq:
     last_token_s: float | None = None
     finish_reason: str | None = None
     decode_entry: ScheduledSeq | None = None  # ScheduledSeq(self, 1, 0, False), built at admission, reused
+    rid: str = ""  # request_id at submit: the key in Scheduler._by_id, even if the caller changes the field
 
     @property
     def num_output_tokens(self) -> int:
@@ -380,7 +381,8 @@ class Scheduler:
             now = self.clock()
             request.submitted_at = now
             request.started_at = request.completed_at = None  # a resubmitted (aborted) object starts afresh
-            seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt)
+            seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt,
+                       rid=request.request_id)
             self._arrivals += 1
             self._by_obj[id(request)] = seq
             rid = request.request_id
@@ -937,7 +939,7 @@ class Scheduler:
     def _forget(self, seq: _Seq) -> None:
         seq.decode_entry = None  # it points back at seq: break the cycle so refcounting frees the request
         self._by_obj.pop(id(seq.req), None)
-        rid = seq.req.request_id
+        rid = seq.rid
         cur = self._by_id.get(rid) if rid else None
         if cur is seq:
             del self._by_id[rid]

@@ -77,3 +77,12 @@ def test_a_negative_eos_token_id_never_matches():
     b.eos_at["r"] = 2  # the backend's EOS (0) at the 2nd token is an ordinary token here
     s.submit(r)
     assert drain(s) == [r] and len(r.generated) == 6
+
+
+def test_a_request_id_changed_after_submit_leaves_no_entry_behind():
+    s = Scheduler(backend=ScriptedBackend())
+    r = make_req("before", max_tokens=3)
+    s.submit(r)
+    r.request_id = "after"  # the caller's object: the scheduler keys it by the id it was submitted with
+    assert s.abort("after") is None
+    assert drain(s) == [r] and not s._by_id
