@@ -481,7 +481,7 @@ class VTCPolicy:
 
         Why not "over-served users first", as this rule was: restricting victims to users above
         their share passes over cheaper victims of users near their share. Over 8 workload seeds
-        (4 trace windows) that cost 0.013 of the throughput bound on ``azure-conv`` and 0.012 on
+        (4 trace windows) that cost 0.013 of the throughput bound on ``azure-conv`` and 0.014 on
         ``mooncake-conv`` (``docs/fairness.md``, section 3).
         """
         blocks: dict[str, int] = {}

@@ -132,8 +132,9 @@ def victim_before(light_a: Bool, preempts_a: Int, computed_a: Int, admit_a: Int,
     times (``preempts_*``: spreading preemptions keeps requests from being pinned, and a
     pinned request holds its worst-case blocks); then the one with the fewest computed tokens
     (``computed_*``: the recompute it loses); then the latest admitted (``admit_*``, the
-    admission sequence number). Source of the cost order: SGLang's decode retraction (the
-    request with the least progress goes first); vLLM V1 takes the latest admitted.
+    admission sequence number). The cost order is close to SGLang's decode retraction, which
+    retracts the request with the fewest output tokens first (``retract_decode``); vLLM V1
+    takes the latest admitted.
     """
     return Or(And(Not(light_a), light_b),
               And(light_a == light_b,
