@@ -457,6 +457,7 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
     iso, was, back = z3.Bools("iso was back")
     for f, args in [(fr.charged_counter, (c, u, w)), (fr.lifted_counter, (c, m, back)),
                     (fr.protected_next, (was, u, w, c, m)), (fr.over_served, (u, w, c, m)),
+                    (fr.light_user, (u, w, c, m)),
                     (fr.victim_before, (iso, u, k, c, back, w, m, s)), (fr.may_preempt, (u, k, c, m)),
                     (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
                     (fr.reserved_after, (u, k)), (fr.admission_wait_bound, (k, s, u)),
@@ -468,6 +469,15 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
         solver = z3.Solver()
         solver.add(z3.Not(claim))
         return solver.check() == z3.unsat
+
+    # The victim order: a light user's request never goes before another user's, and the
+    # order is a strict one (irreflexive, asymmetric), so "the first victim" is well defined.
+    k2, c2, s2 = z3.Ints("k2 c2 s2")
+    lt = z3.Bool("lt")
+    assert proved(z3.Implies(z3.And(iso, z3.Not(lt)), z3.Not(fr.victim_before(iso, k, c, s, lt, k2, c2, s2))))
+    assert proved(z3.Not(fr.victim_before(iso, k, c, s, iso, k, c, s)))
+    assert proved(z3.Not(z3.And(fr.victim_before(iso, k, c, s, lt, k2, c2, s2),
+                                fr.victim_before(lt, k2, c2, s2, iso, k, c, s))))
 
     # The sit-out streak stays within [0, K] (section 2 of docs/fairness.md).
     assert proved(z3.Implies(z3.And(k >= 1, 0 <= s, s <= k, z3.Implies(iso, fr.sit_out_allowed(s, k))),
