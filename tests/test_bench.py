@@ -65,15 +65,21 @@ def test_clairvoyant_oracle_stays_within_the_bound_and_out_of_the_comparisons(su
     assert all(bench.ORACLE not in r.split("|")[5] for r in goal_rows)  # never the best baseline
 
 
-def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
-    from oracle import ClairvoyantPolicy  # noqa: PLC0415
+def _three_waiting() -> tuple[list, list, dict[int, int]]:
+    """Three requests (true output lengths 5, 50, 20), the records the oracle reads, the lengths."""
     reqs = [make_req(f"r{i}", n_prompt=10, max_tokens=99) for i in range(3)]
     seqs = []
     for i, r in enumerate(reqs):
         s = type("S", (), {})()
         s.req, s.num_tokens, s.arrival_no = r, 10, i
         seqs.append(s)
-    p = ClairvoyantPolicy({id(reqs[0]): 5, id(reqs[1]): 50, id(reqs[2]): 20})
+    return reqs, seqs, {id(reqs[0]): 5, id(reqs[1]): 50, id(reqs[2]): 20}
+
+
+def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
+    from oracle import ClairvoyantPolicy  # noqa: PLC0415
+    _, seqs, lengths = _three_waiting()
+    p = ClairvoyantPolicy(lengths)
     for s in seqs:
         p.add(s)
     assert list(p.admission_order()) == [seqs[1], seqs[2], seqs[0]]
@@ -83,13 +89,7 @@ def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
 
 def test_clairvoyant_oracle_orders_and_backfill_switch():
     from oracle import ClairvoyantPolicy  # noqa: PLC0415
-    reqs = [make_req(f"r{i}", n_prompt=10, max_tokens=99) for i in range(3)]
-    seqs = []
-    for i, r in enumerate(reqs):
-        s = type("S", (), {})()
-        s.req, s.num_tokens, s.arrival_no = r, 10, i
-        seqs.append(s)
-    lengths = {id(reqs[0]): 5, id(reqs[1]): 50, id(reqs[2]): 20}
+    _, seqs, lengths = _three_waiting()
     for order, want in (("spt", [0, 2, 1]), ("fifo", [0, 1, 2])):
         p = ClairvoyantPolicy(lengths, order=order, backfill=False)
         for s in seqs:
