@@ -83,23 +83,16 @@ class OverServedVictim(VTCPolicy):
     those the same order (fewest preemptions, fewest computed tokens, latest admitted)."""
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
-        return _victim(self, running, lambda b, w, total, total_w: not fr.over_served(b, w, total, total_w))
+        over = self.users_where(fr.over_served, running)
+        return min(running, key=lambda s: (s.user_id not in over, s.num_preemptions, s.num_computed_tokens,
+                                           -s.admit_no))
 
 
 class UnshieldedVictim(VTCPolicy):
     """VTC with no user shielded: the request that loses the least, whoever's it is."""
 
     def choose_victim(self, running: Sequence[Any]) -> Any:
-        return _victim(self, running, lambda b, w, total, total_w: False)
-
-
-def _victim(p: VTCPolicy, running: Sequence[Any], shielded: Callable[[int, int, int, int], bool]) -> Any:
-    blocks: dict[str, int] = {}
-    for s in running:
-        blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
-    total, total_w = sum(blocks.values()), sum(p.weight_of(u) for u in blocks)
-    last = {u for u, b in blocks.items() if shielded(b, p.weight_of(u), total, total_w)}
-    return min(running, key=lambda s: (s.user_id in last, s.num_preemptions, s.num_computed_tokens, -s.admit_no))
+        return min(running, key=lambda s: (s.num_preemptions, s.num_computed_tokens, -s.admit_no))
 
 
 def _trace_window(file: str, rows: int, k: int, users_seed: int) -> list:

@@ -471,6 +471,16 @@ class VTCPolicy:
 
     # -------------------------------------------------------- preemption
 
+    def users_where(self, rule: Any, running: Sequence[Any]) -> set[str]:
+        """The users of ``running`` for which ``rule(blocks, weight, total_blocks, total_weight)``
+        holds, by the KV blocks their requests in ``running`` hold (``light_user``, ``over_served``)."""
+        blocks: dict[str, int] = {}
+        for s in running:
+            blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
+        total = sum(blocks.values())
+        total_w = sum(self.weight_of(u) for u in blocks)
+        return {u for u, b in blocks.items() if rule(b, self.weight_of(u), total, total_w)}
+
     def choose_victim(self, running: Sequence[Any]) -> Any:
         """The request to preempt by recompute (``spec.fairness_rules.victim_before``).
 
@@ -484,12 +494,7 @@ class VTCPolicy:
         (4 trace windows) that cost 0.013 of the throughput bound on ``azure-conv`` and 0.014 on
         ``mooncake-conv`` (``docs/fairness.md``, section 3).
         """
-        blocks: dict[str, int] = {}
-        for s in running:
-            blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
-        total = sum(blocks.values())
-        total_w = sum(self.weight_of(u) for u in blocks)
-        light = {u for u, b in blocks.items() if fr.light_user(b, self.weight_of(u), total, total_w)}
+        light = self.users_where(fr.light_user, running)
         best = None
         for s in running:
             if best is None or fr.victim_before(s.user_id in light, s.num_preemptions, s.num_computed_tokens,
