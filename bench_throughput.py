@@ -1,9 +1,10 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench_throughput.py                # every experiment (about 3 minutes on 2 cores)
+    python bench_throughput.py                # every experiment (about 4 minutes on 2 cores)
     python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
-    python bench_throughput.py --only sweep   # one experiment: seeds, sweep, knobs, l2, lpt, orders or victims
+    python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
+                                              # victims, backfill, resume or drain
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
 workload's upper bound, ``bench.throughput_upper_bound``):
@@ -29,10 +30,16 @@ workload's upper bound, ``bench.throughput_upper_bound``):
 * ``victims``: the victim rule over 8 workload seeds (A/B burst, long requests) and 4 trace
   windows (rows 0-599, 600-1199, ... of the Azure conversation trace; 200-row windows of the
   Mooncake trace): Batch as shipped, the rule it replaced, and no user shielded.
+* ``backfill``: Batch with and without backfill over the same seeds and windows.
+* ``resume``: TPOT p99 of Batch, of Batch with preempted decodes resuming ahead of the VTC
+  order, and of FCFS-recompute, on the saturating workloads.
+* ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
+  seeds of the A/B burst, with TTFT p99 over the best baseline's.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -49,7 +56,7 @@ from scheduler import Scheduler
 from spec import fairness_rules as fr
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
-EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims")
+EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "resume", "drain")
 
 
 def _workload(name: str) -> workloads.Workload:
@@ -104,14 +111,12 @@ def _trace_window(file: str, rows: int, k: int, users_seed: int) -> list:
     return reqs
 
 
-def victim_rules(n_seeds: int = 8, n_windows: int = 4) -> list[str]:
-    """The victim rule over workload seeds and trace windows: Batch as shipped (light users'
-    requests last), the previous rule (over-served users only) and no shield. Mean fraction
-    of the bound, and mean TTFT p99 over the shipped rule's on the same seed or window."""
-    variants: dict[str, Callable[..., Scheduler]] = {
-        "light users last (shipped)": lambda **kw: Scheduler(**kw),
-        "over-served users only (before)": lambda **kw: Scheduler(policy=OverServedVictim(), **kw),
-        "no user shielded": lambda **kw: Scheduler(policy=UnshieldedVictim(), **kw)}
+def _seed_cases(n_seeds: int = 8, n_windows: int = 4,
+                names: Sequence[str] = ("ab-burst", "long-kv", "azure-conv", "mooncake-conv")
+                ) -> list[tuple[str, Callable[[], list]]]:
+    """(workload name, builder) for ``n_seeds`` seeds of the A/B burst and the long requests and
+    ``n_windows`` windows of each trace (Azure conversation rows 0-599, 600-1199, ...;
+    Mooncake in windows of 200 rows)."""
     cases: list[tuple[str, Callable[[], list]]] = []
     for s in range(n_seeds):
         cases.append(("ab-burst", lambda s=s: workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=s)))
@@ -119,6 +124,13 @@ def victim_rules(n_seeds: int = 8, n_windows: int = 4) -> list[str]:
     for k in range(n_windows):
         cases.append(("azure-conv", lambda k=k: _trace_window("norm_azure2023_conv.csv", 600, k, 8)))
         cases.append(("mooncake-conv", lambda k=k: _trace_window("norm_mooncake_conversation.csv", 200, k, 9)))
+    return [c for c in cases if c[0] in names]
+
+
+def over_seeds(variants: dict[str, Callable[..., Scheduler]], cases: Sequence[tuple[str, Callable[[], list]]],
+               metric: str = "ttft_p99_s") -> list[str]:
+    """Each variant on each case: per workload, the mean fraction of the bound and the mean of
+    ``metric`` over the first variant's on the same seed or window."""
     got: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for name, build in cases:
         w = replace(_workload(name), build=build)
@@ -129,7 +141,8 @@ def victim_rules(n_seeds: int = 8, n_windows: int = 4) -> list[str]:
                 c = bench.run_cell(w, label)
             finally:
                 del bench.POLICIES[label]
-            got.setdefault((name, label), []).append((bench.fraction(c, b), c.metrics["ttft_p99_s"]))
+            got.setdefault((name, label), []).append((bench.fraction(c, b), c.metrics[metric]))
+    short = metric.replace("_s", "").replace("_", " ").upper().replace("P99", "p99")
     lines = ["| workload (runs) | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 1)]
     for name in dict.fromkeys(n for n, _ in cases):
         ref = np.array([t for _, t in got[(name, next(iter(variants)))]])
@@ -137,9 +150,107 @@ def victim_rules(n_seeds: int = 8, n_windows: int = 4) -> list[str]:
         for label in variants:
             f = np.array([x for x, _ in got[(name, label)]])
             t = np.array([y for _, y in got[(name, label)]])
-            row.append(f"{f.mean():.4f}, TTFT p99 {np.mean(t / ref):.3f}x")
+            row.append(f"{f.mean():.4f}, {short} {np.mean(t / ref):.3f}x")
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def victim_rules() -> list[str]:
+    """The victim rule over workload seeds and trace windows: Batch as shipped (light users'
+    requests last), the previous rule (over-served users only) and no shield."""
+    return over_seeds({
+        "light users last (shipped)": lambda **kw: Scheduler(**kw),
+        "over-served users only (before)": lambda **kw: Scheduler(policy=OverServedVictim(), **kw),
+        "no user shielded": lambda **kw: Scheduler(policy=UnshieldedVictim(), **kw)}, _seed_cases())
+
+
+def backfill_over_seeds() -> list[str]:
+    """Batch with and without backfill over workload seeds and trace windows."""
+    return over_seeds({"Batch (shipped)": lambda **kw: Scheduler(**kw),
+                       "backfill=True": lambda **kw: Scheduler(policy=VTCPolicy(backfill=True), **kw)},
+                      _seed_cases())
+
+
+class ResumeFirst(VTCPolicy):
+    """VTC, except that a preempted request that already has output tokens is offered before
+    every other waiting request (oldest first), whatever its user's counter: what FCFS does
+    for a preempted request (back to the head of the queue)."""
+
+    def admission_order(self) -> Any:
+        resumed = sorted((s for q in self._q.users.values() for s in q.requeued if s.req.generated),
+                         key=lambda s: s.arrival_no)
+        if not resumed:
+            return super().admission_order()
+        first = set(map(id, resumed))
+        return itertools.chain(resumed, (s for s in super().admission_order() if id(s) not in first))
+
+
+def resume_first(names: Sequence[str] = SATURATING) -> list[str]:
+    """TPOT p99 and throughput: Batch, Batch resuming preempted decodes first, FCFS-recompute."""
+    variants: dict[str, Callable[..., Scheduler]] = {
+        "Batch": lambda **kw: Scheduler(**kw),
+        "Batch, preempted decodes resume first": lambda **kw: Scheduler(policy=ResumeFirst(), **kw),
+        "FCFS-recompute": bench.POLICIES["FCFS-recompute"]}
+    lines = ["| workload | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 1)]
+    for name in names:
+        w = _workload(name)
+        b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+        row = [name]
+        for label, make in variants.items():
+            bench.POLICIES.setdefault(label, make)
+            c = bench.run_cell(w, label)
+            m = c.metrics
+            row.append(f"{bench.fraction(c, b):.3f}, TPOT p99 {m['tpot_p99_s'] * 1e3:.0f} ms, "
+                       f"TTFT p99 {m['ttft_p99_s']:.1f} s")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def drain_variants() -> list[str]:
+    """The A/B burst over 8 seeds with drain-phase variants: share, pass cap, backfill in the
+    drain phase only. Fraction of the bound and TTFT p99 over the best baseline's on the same seed."""
+    combos = [("1/2, 8 passes (shipped)", (1, 2), 8, False), ("2/1, 8 passes", (2, 1), 8, False),
+              ("2/1, 2 passes", (2, 1), 2, False), ("2/1, 1 pass", (2, 1), 1, False),
+              ("2/1, drain backfill", (2, 1), 8, True), ("1/1, drain backfill", (1, 1), 8, True)]
+    got: dict[str, list[tuple[float, float]]] = {}
+    saved = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
+    try:
+        for name, build in _seed_cases(names=("ab-burst",)):
+            w = replace(_workload(name), build=build)
+            b = bench.throughput_upper_bound(build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+            policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = saved
+            best = min(bench.run_cell(w, p).metrics["ttft_p99_s"] for p in bench.BASELINES)
+            for label, share, passes, bf in combos:
+                policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = share, passes
+                bench.POLICIES[label] = (lambda **kw: Scheduler(policy=_DrainBackfill(), **kw)) if bf else _plain
+                try:
+                    c = bench.run_cell(w, label)
+                finally:
+                    del bench.POLICIES[label]
+                got.setdefault(label, []).append((bench.fraction(c, b), c.metrics["ttft_p99_s"] / best))
+    finally:
+        policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = saved
+    lines = ["| drain variant | mean of bound | TTFT p99 / best baseline's: mean | max |", "|---|---|---|---|"]
+    for label, xs in got.items():
+        lines.append(f"| {label} | {np.mean([f for f, _ in xs]):.4f} | {np.mean([t for _, t in xs]):.3f}x "
+                     f"| {max(t for _, t in xs):.2f}x |")
+    return lines
+
+
+def _plain(**kw: Any) -> Scheduler:
+    return Scheduler(**kw)
+
+
+class _DrainBackfill(VTCPolicy):
+    """VTC that backfills in its drain phase only."""
+
+    @property  # type: ignore[override]
+    def backfill(self) -> bool:
+        return self._drain
+
+    @backfill.setter
+    def backfill(self, value: bool) -> None:
+        pass
 
 
 def drain_sweep(shares: Sequence[tuple[int, int]] = ((1, 2), (1, 1), (2, 1), (4, 1), (100, 1))) -> list[str]:
@@ -297,6 +408,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "victims" in todo:
         print("== victim rules over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
               *victim_rules(), sep="\n", flush=True)
+    if "backfill" in todo:
+        print("== backfill over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
+              *backfill_over_seeds(), sep="\n", flush=True)
+    if "resume" in todo:
+        print("== preempted decodes resuming first (fraction of the bound, TPOT p99, TTFT p99) ==",
+              *resume_first(), sep="\n", flush=True)
+    if "drain" in todo:
+        print("== drain-phase variants on the A/B burst, 8 seeds ==", *drain_variants(), sep="\n", flush=True)
     if "orders" in todo:
         print("== clairvoyant list rules: order x backfill (fraction of the bound, TTFT p99) ==",
               *clairvoyant_orders(), sep="\n", flush=True)
