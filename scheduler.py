@@ -385,7 +385,7 @@ class Scheduler:
                        rid=request.request_id)
             self._arrivals += 1
             self._by_obj[id(request)] = seq
-            rid = request.request_id
+            rid = seq.rid
             if rid:  # ids may repeat (the contract does not make them unique): keep all, oldest first
                 cur = self._by_id.get(rid)
                 if cur is None:
