@@ -196,6 +196,20 @@ def reserved_after(blocked_ticks: Int, aging_ticks: Int) -> Bool:
     return blocked_ticks >= aging_ticks
 
 
+def may_pass_reservation(candidate_worst_iters: Int, resident_worst_iters_max: Int) -> Bool:
+    """Another request may be admitted past the reservation holder (it does not fit yet) only if
+    its worst-case remaining iterations (prompt chunks plus ``max_tokens``) are strictly fewer
+    than the largest of the resident requests'.
+
+    Then the largest worst-case remaining work among resident requests never grows while the
+    reservation waits, and it shrinks whenever the requests holding it run, so the resident
+    set still drains within ``ticks_to_drain_bound`` (EASY backfilling's rule, Lifka 1995:
+    a job may pass the reserved head only if it ends before the head's start; the scheduler
+    also checks the head's start against its worst-case block profile, ``backfill.py``).
+    """
+    return candidate_worst_iters < resident_worst_iters_max
+
+
 def ticks_to_drain_bound(max_sit_out_ticks: Int, max_work_ticks: Int) -> Int:
     """Ticks within which every resident request finishes or is preempted, when none is admitted.
 
