@@ -192,7 +192,8 @@ def may_backfill_past(blocked_ticks: Int, aging_ticks: Int, backfill: Bool) -> B
 
 def reserved_after(blocked_ticks: Int, aging_ticks: Int) -> Bool:
     """A request that was the first non-fitting candidate in ``aging_ticks`` ticks gets the
-    reservation: it is tried first and nothing else is admitted until it fits."""
+    reservation: it is tried first, and until it fits nothing else is admitted except past
+    it under ``may_pass_reservation``."""
     return blocked_ticks >= aging_ticks
 
 
