@@ -28,8 +28,9 @@ EXAMPLE_MAX_PROMPT_TOKENS = 199
 EXAMPLE_MAX_OUTPUT_TOKENS = 99
 
 #: The bounded no-starvation run: aging ``T``, sit-out cap ``K``, work ``L`` (iterations a
-#: resident request still needs), resident slots, cache blocks, tokens per block, extra ticks
-#: beyond the bound (uncounted ticks before the reservation).
+#: resident request still needs at worst: prompt chunks plus ``max_tokens``; it may finish
+#: sooner), resident slots, cache blocks, tokens per block, extra ticks beyond the bound
+#: (uncounted ticks before the reservation).
 AGING_T, AGING_K, AGING_L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, AGING_EXTRA = 3, 2, 3, 3, 6, 2, 2
 
 #: Sit-out caps ``K`` of the bounded sit-out check (plus the symbolic inductive step).
@@ -240,23 +241,34 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
     The waiting request r (``need_r`` blocks, admissible: ``<= cap``) is the first candidate
     that does not fit whenever it does not fit; everything else is the adversary: which other
     requests are admitted ahead of r before its reservation (VTC order) or past it
-    (``may_backfill_past``), each fitting with the headroom; resident work ``<= L``
-    iterations; growth by a block; preemptions; which ticks are isolated (within
-    ``sit_out_allowed``) and which residents sit out in them.
+    (``may_backfill_past``), and, once r holds the reservation, past it only when r does not
+    fit and ``may_pass_reservation`` holds against the largest ``rem`` among the residents
+    (EASY backfilling), each fitting with the headroom; resident work ``rem <= L`` iterations
+    (the worst case: prompt chunks plus ``max_tokens``); early finishes (EOS: a resident that
+    runs in a tick may leave in it, not a preemption); growth by a block; preemptions; which
+    ticks are isolated (within ``sit_out_allowed``) and which residents sit out in them.
     """
     z3 = _z3()
+    # Bit-vectors, as in ``spec.verify.unroll``: every quantity is small, and z3 decides them by
+    # bit-blasting far faster than integer arithmetic full of if-then-else. The width leaves
+    # room for sign and for sums of ``slots`` values (comparisons are signed).
+    width = (2 * (max(depth, L, slots * (cap + 1)) + cap)).bit_length() + 1
+
+    def var(name: str) -> Any:
+        return z3.BitVec(name, width)
+    zero, one = z3.BitVecVal(0, width), z3.BitVecVal(1, width)
     asm: list = []
-    need_r = z3.Int("need_r")
+    need_r = var("need_r")
     backfill = z3.Bool("backfill")
-    rem = [z3.Int(f"rem{j}_0") for j in range(slots)]
-    h = [z3.Int(f"blocks{j}_0") for j in range(slots)]
-    streak = z3.Int("streak_0")
+    rem = [var(f"rem{j}_0") for j in range(slots)]
+    h = [var(f"blocks{j}_0") for j in range(slots)]
+    streak = var("streak_0")
     asm += [need_r >= 1, need_r <= cap, streak >= 0, streak <= K]
     for j in range(slots):
         asm += [rem[j] >= 0, rem[j] <= L, Implies(rem[j] > 0, And(h[j] >= 1, h[j] <= cap)),
                 Implies(rem[j] == 0, h[j] == 0)]
     asm.append(Sum(h) <= cap)
-    admitted, blocked, reserved, counted = z3.BoolVal(False), z3.IntVal(0), z3.BoolVal(False), z3.IntVal(0)
+    admitted, blocked, reserved, counted = z3.BoolVal(False), zero, z3.BoolVal(False), zero
     goals, trace = [], {"need_r": need_r, "backfill": backfill, "ticks": []}
     bound = fr.admission_wait_bound(T, K, L)
     for t in range(depth):
@@ -265,54 +277,67 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
         grow = [z3.Bool(f"grow{j}_{t}") for j in range(slots)]
         asm += [Implies(pre[j], rem[j] > 0) for j in range(slots)]
         asm += [Implies(grow[j], And(rem[j] > 0, Not(pre[j]))) for j in range(slots)]
-        h1 = [If(pre[j], 0, h[j] + If(grow[j], 1, 0)) for j in range(slots)]
+        h1 = [If(pre[j], 0, h[j] + If(grow[j], one, zero)) for j in range(slots)]
         rem1 = [If(pre[j], 0, rem[j]) for j in range(slots)]
         asm.append(Sum(h1) <= cap)  # growth takes free blocks (else the scheduler preempts)
         any_pre = Or(*pre)
         free1 = cap - Sum(h1)
-        resident = Sum([If(r > 0, 1, 0) for r in rem1])
+        resident = Sum([If(r > 0, one, zero) for r in rem1])
         # another request admitted this tick (into an empty slot): ahead of r, or past it
         other = [z3.Bool(f"admit_other{j}_{t}") for j in range(slots)]
         ahead = z3.Bool(f"other_ahead_{t}")
-        o_need, o_rem = z3.Int(f"other_need_{t}"), z3.Int(f"other_work_{t}")
+        o_need, o_rem = var(f"other_need_{t}"), var(f"other_work_{t}")
         asm += [Implies(other[j], rem1[j] == 0) for j in range(slots)]
-        asm += [Sum([If(o, 1, 0) for o in other]) <= 1, o_need >= 1, o_rem >= 1, o_rem <= L]
+        asm += [Sum([If(o, one, zero) for o in other]) <= 1, o_need >= 1, o_need <= cap,
+                o_rem >= 1, o_rem <= L]
         some_other = Or(*other)
+        top = rem1[0]
+        for x in rem1[1:]:
+            top = If(x > top, x, top)
+        top_rem = var(f"top_work_{t}")  # the largest worst-case remaining work among the residents
+        asm.append(top_rem == top)
         headroom = fr.growth_headroom_blocks(resident, B)
         other_fits = fr.can_admit(free1, o_need, headroom)
         free2 = free1 - If(And(some_other, ahead), o_need, 0)
-        res2 = resident + If(And(some_other, ahead), 1, 0)
+        res2 = resident + If(And(some_other, ahead), one, zero)
         fits_r = fr.can_admit(free2, need_r, If(reserved, 0, fr.growth_headroom_blocks(res2, B)))
         tried = And(Not(admitted), Not(any_pre))  # admission runs only in a tick that did not preempt
         adm_r = And(tried, fits_r)
         may_pass = fr.may_backfill_past(blocked, T, backfill)
         asm.append(Implies(some_other, And(
-            Not(admitted), Not(any_pre), Not(reserved), other_fits,  # a reservation admits nothing else
-            Or(ahead, And(Not(fits_r), may_pass, fr.can_admit(free1, o_need, headroom))))))
+            Not(admitted), Not(any_pre), other_fits,
+            If(reserved,  # past the reservation holder only, when it does not fit (EASY backfilling)
+               And(Not(ahead), Not(fits_r), fr.may_pass_reservation(o_rem, top_rem)),
+               Or(ahead, And(Not(fits_r), may_pass, fr.can_admit(free1, o_need, headroom)))))))
         is_blocked = And(tried, Not(fits_r))
-        blocked1 = blocked + If(is_blocked, 1, 0)
+        blocked1 = blocked + If(is_blocked, one, zero)
         reserved1 = Or(reserved, And(is_blocked, fr.reserved_after(blocked1, T)))
-        counted1 = counted + If(And(Not(admitted), Or(reserved, Not(any_pre))), 1, 0)
+        counted1 = counted + If(And(Not(admitted), Or(reserved, Not(any_pre))), one, zero)
         # the iteration: isolated ticks within the cap; residents sit out only in them
         iso = z3.Bool(f"isolated_{t}")
         sits = [z3.Bool(f"sits_out{j}_{t}") for j in range(slots)]
         asm.append(Implies(iso, fr.sit_out_allowed(streak, K)))
         asm += [Implies(sits[j], iso) for j in range(slots)]
-        rem2 = [If(other[j], o_rem, If(And(rem1[j] > 0, Not(sits[j])), rem1[j] - 1, rem1[j])) for j in range(slots)]
+        # an early finish (EOS): a resident that runs this tick may leave, whatever rem said
+        runs = [And(rem1[j] > 0, Not(sits[j])) for j in range(slots)]
+        eos = [z3.Bool(f"early_finish{j}_{t}") for j in range(slots)]
+        asm += [Implies(eos[j], runs[j]) for j in range(slots)]
+        rem2 = [If(other[j], o_rem, If(runs[j], If(eos[j], 0, rem1[j] - 1), rem1[j])) for j in range(slots)]
         h2 = [If(other[j], o_need, If(rem2[j] == 0, 0, h1[j])) for j in range(slots)]
         streak1 = fr.next_streak(streak, iso)
         admitted = Or(admitted, adm_r)
         # name the state after the tick with fresh variables (flat terms)
-        nxt_rem = [z3.Int(f"rem{j}_{t + 1}") for j in range(slots)]
-        nxt_h = [z3.Int(f"blocks{j}_{t + 1}") for j in range(slots)]
-        nxt = z3.Ints(f"streak_{t + 1} blocked_{t + 1} counted_{t + 1}")
+        nxt_rem = [var(f"rem{j}_{t + 1}") for j in range(slots)]
+        nxt_h = [var(f"blocks{j}_{t + 1}") for j in range(slots)]
+        nxt = [var(f"{x}_{t + 1}") for x in ("streak", "blocked", "counted")]
         nadm, nres = z3.Bools(f"admitted_{t + 1} reserved_{t + 1}")
         asm += [a == b for a, b in zip(nxt_rem, rem2)] + [a == b for a, b in zip(nxt_h, h2)]
         asm += [nxt[0] == streak1, nxt[1] == blocked1, nxt[2] == counted1, nadm == admitted, nres == reserved1]
         rem, h, streak, blocked, counted, admitted, reserved = nxt_rem, nxt_h, nxt[0], nxt[1], nxt[2], nadm, nres
         trace["ticks"].append({"rem": rem, "blocks": h, "streak": streak, "blocked_ticks": blocked,
                                "counted": counted, "admitted": admitted, "reserved": reserved, "isolated": iso,
-                               "preempted": pre, "other admitted": some_other, "other ahead": ahead})
+                               "preempted": pre, "early finish": eos, "other admitted": some_other,
+                               "other ahead": ahead, "other work": If(some_other, o_rem, zero)})
         goals.append((f"r admitted once {bound} counted ticks passed (tick {t})", Implies(counted >= bound, admitted)))
     return asm, goals, trace
 
@@ -320,19 +345,22 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
 @register("no_starvation_aging",
           "an admissible waiting request r that is the first candidate not fitting is admitted within "
           "admission_wait_bound(T, K, L) = T + (K+1)*L + 1 ticks (ticks before its reservation counted when "
-          "admission ran), whatever else is admitted ahead of or past it, under the fairness assumption "
-          "(a resident request needs <= L more iterations; tick() keeps being called)")
+          "admission ran), whatever else is admitted ahead of or past it before its reservation, or past the "
+          "reservation under may_pass_reservation (fewer worst-case remaining iterations than the largest "
+          "resident's), and whichever residents finish early (EOS), under the fairness assumption "
+          "(a resident request needs <= L more iterations at worst; tick() keeps being called)")
 def check_no_starvation_aging(opts: Options) -> Outcome:
     """Bounded model checking of the abstraction in ``_aging_run`` (rules: ``can_admit``,
-    ``growth_headroom_blocks``, ``may_backfill_past``, ``reserved_after``, ``sit_out_allowed``,
-    ``next_streak``, ``admission_wait_bound``)."""
+    ``growth_headroom_blocks``, ``may_backfill_past``, ``reserved_after``, ``may_pass_reservation``,
+    ``sit_out_allowed``, ``next_streak``, ``admission_wait_bound``)."""
     T, K, L = AGING_T, AGING_K, AGING_L
     bound_ticks = fr.admission_wait_bound(T, K, L)
     depth = bound_ticks + AGING_EXTRA
     asm, goals, trace = _aging_run(T, K, L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, depth)
     bound = (f"T={T}, K={K}, L={L}: bound {bound_ticks} counted ticks; depth {depth} ticks; {AGING_SLOTS} resident "
              f"slots, cap {AGING_CAP_BLOCKS} blocks of {AGING_BLOCK_TOKENS} tokens, any r (need <= cap), one "
-             f"other admission per tick, backfill on or off")
+             f"other admission per tick (past the reservation under may_pass_reservation), early finishes, "
+             f"backfill on or off")
     status, info = _prove(asm, goals, opts.timeout_s, split=False)
 
     def cex(m: Any, bad: list[str]) -> StateCounterexample:

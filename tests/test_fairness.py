@@ -460,7 +460,8 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
                     (fr.light_user, (u, w, c, m)),
                     (fr.victim_before, (iso, u, k, c, back, w, m, s)), (fr.may_preempt, (u, k, c, m)),
                     (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
-                    (fr.reserved_after, (u, k)), (fr.admission_wait_bound, (k, s, u)),
+                    (fr.reserved_after, (u, k)), (fr.may_pass_reservation, (u, k)),
+                    (fr.admission_wait_bound, (k, s, u)),
                     (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
                     (fr.new_prompt_tokens, (u, c, m, k)), (fr.isolation_pays, (u, c, m, w))]:
         assert isinstance(f(*args), z3.ExprRef), f.__name__

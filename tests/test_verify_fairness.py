@@ -40,6 +40,20 @@ def test_paper_bound_is_not_inductive_for_continuous_batching_but_the_derived_on
     assert "the paper's 8 weighted tokens is exceeded" in vf.check_vtc_counter_gap_bmc(OPTS).detail
 
 
+def test_aging_model_reaches_a_pass_of_the_reservation_and_an_early_finish():
+    """The proof of ``no_starvation_aging`` is not bought by a model that never passes the
+    reservation holder or never finishes early: runs with both exist."""
+    z3 = pytest.importorskip("z3")
+    asm, _, trace = vf._aging_run(vf.AGING_T, vf.AGING_K, vf.AGING_L, vf.AGING_SLOTS, vf.AGING_CAP_BLOCKS,
+                                  vf.AGING_BLOCK_TOKENS, fr.admission_wait_bound(vf.AGING_T, vf.AGING_K, vf.AGING_L))
+    ticks = trace["ticks"]
+    passes = [z3.And(before["reserved"], z3.Not(before["admitted"]), tick["other admitted"])
+              for before, tick in zip(ticks, ticks[1:])]
+    solver = z3.Solver()
+    solver.add(*asm, z3.Or(*passes), z3.Or(*(e for tick in ticks for e in tick["early finish"])))
+    assert solver.check() == z3.sat
+
+
 # ---------------------------------------------------------------- teeth: planted bugs
 
 
@@ -54,6 +68,8 @@ BUGS = {
     "streak never counts": ("next_streak", lambda s, iso: 0, [vf.check_sit_out_bound]),
     "wait bound one tick short": ("admission_wait_bound", lambda t, k, l: t + (k + 1) * l,
                                   [vf.check_no_starvation_aging]),
+    "may_pass_reservation non-strict": ("may_pass_reservation", lambda c, m: c <= m, [vf.check_no_starvation_aging]),
+    "may_pass_reservation always": ("may_pass_reservation", lambda c, m: True, [vf.check_no_starvation_aging]),
 }
 
 
