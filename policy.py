@@ -233,6 +233,8 @@ class VTCPolicy:
         isolation: ask the scheduler for TTFT isolation (``isolation.Isolation``).
         admission_headroom: ask the scheduler to leave room for the next iteration's growth
             at admission (``spec.fairness_rules.growth_headroom_blocks``): fewer preemptions.
+        easy_backfill: ask the scheduler to admit, past a first candidate that does not fit, the
+            candidates that cannot delay it in the worst case (EASY backfilling, ``backfill.py``).
         drain_longest_first: the drain phase (``before_admission``).
         prefill_chunk_tokens: the chunk the drain phase counts prompt chunks in, tokens;
             ``None`` (default): the scheduler's (``min(prefill_chunk_tokens,
@@ -253,7 +255,7 @@ class VTCPolicy:
 
     def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
                  output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
-                 admission_headroom: bool = True, drain_longest_first: bool = True,
+                 admission_headroom: bool = True, easy_backfill: bool = True, drain_longest_first: bool = True,
                  prefill_chunk_tokens: int | None = None) -> None:
         weights = dict(weights or {})
         for user, w in weights.items():
@@ -270,6 +272,7 @@ class VTCPolicy:
         self.backfill = backfill
         self.isolation = isolation
         self.admission_headroom = admission_headroom
+        self.easy_backfill = easy_backfill
         self.prompt_price = prompt_price
         self.output_price = output_price
         self._weights = weights

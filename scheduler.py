@@ -30,6 +30,7 @@ import inference_stub
 from backend_api import batch_items
 from inference_stub import Request
 from isolation import Isolation, PlanDraft
+from backfill import Shadow, WorstCaseProfile, worst_case_iterations
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
 from policy import Policy, VTCPolicy
@@ -255,6 +256,10 @@ class Scheduler:
             the next iteration's growth (``spec.fairness_rules.growth_headroom_blocks``), so a
             request is not preempted right after its admission. ``None``: when the policy asks
             for it (``VTCPolicy`` does; FCFS and round robin pack the cache as vLLM V1 does).
+        easy_backfill: when the first candidate does not fit, later candidates that cannot
+            delay it in the worst case are admitted past it (EASY backfilling, ``backfill.py``;
+            past the aging reservation only under ``spec.fairness_rules.may_pass_reservation``).
+            ``None``: when the policy asks for it (``VTCPolicy`` does).
 
     Raises:
         ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int;
@@ -288,6 +293,7 @@ class Scheduler:
         aging_ticks: int = AGING_TICKS,
         isolation: Isolation | bool | None = None,
         admission_headroom: bool | None = None,
+        easy_backfill: bool | None = None,
     ) -> None:
         stub = inference_stub
         self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
@@ -308,7 +314,8 @@ class Scheduler:
             self.vocab_size = _positive("vocab_size", int(self.vocab_size) if _is_int(self.vocab_size)
                                         else self.vocab_size)
         _check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
-                     check_invariants=check_invariants, admission_headroom=admission_headroom)
+                     check_invariants=check_invariants, admission_headroom=admission_headroom,
+                     easy_backfill=easy_backfill)
         self.clock: Callable[[], float] = clock or time.time
         self._backend = backend
         self.policy: Policy = policy if policy is not None else VTCPolicy()
@@ -324,6 +331,8 @@ class Scheduler:
                                             else Isolation() if isolation else None)
         self.admission_headroom = bool(getattr(self.policy, "admission_headroom", False)
                                        if admission_headroom is None else admission_headroom)
+        self.easy_backfill = bool(getattr(self.policy, "easy_backfill", False)
+                                  if easy_backfill is None else easy_backfill)
         self._weight_of: Callable[[str], int] = getattr(self.policy, "weight_of", None) or _unit_weight
         self._resident_by_user: dict[str, int] = {}  # user -> resident requests
         self._resident_weight = 0  # sum of the weights of users with a resident request
@@ -629,6 +638,8 @@ class Scheduler:
         else:
             stop = "empty"
             resident = len(live)
+            easy: tuple[WorstCaseProfile, Shadow] | None = None  # the head's shadow, once EASY passes it
+            passed = 0  # candidates EASY tried past the head
             candidates = self.policy.admission_order()
             reserved = self._reserved
             if reserved is not None and reserved.state in lc.WAITING_STATES:  # the reservation goes first
@@ -648,10 +659,24 @@ class Scheduler:
                     blocked.append(seq)
                     if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
                             seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):
-                        break  # no backfill, or the reservation: nothing passes it
-                    if len(blocked) > BACKFILL_WINDOW:
+                        easy = self._easy_shadow(live, admitted, grants, need + headroom) if self.easy_backfill else None
+                        if easy is None:
+                            break  # no backfill, or the reservation: nothing passes it
+                        continue
+                    if len(blocked) + passed > BACKFILL_WINDOW:
                         break
                     continue
+                if easy is not None:  # EASY: past the head only what cannot delay it
+                    profile, shadow = easy
+                    pre_iters, iters = self._worst_case_iterations(seq)
+                    if not (profile.admits(seq.num_tokens, pre_iters, iters, need, shadow) and (
+                            blocked[0] is not reserved or (iters <= shadow.iteration
+                                                           and fr.may_pass_reservation(iters, profile.max_iters)))):
+                        passed += 1
+                        if len(blocked) + passed > BACKFILL_WINDOW:
+                            break
+                        continue
+                    profile.add(seq.num_tokens, pre_iters, iters, need)
                 n = rules.chunk_tokens(seq.num_tokens, 0, chunk, budget)
                 grants[seq] = (n, need)
                 admitted.append(seq)
@@ -881,6 +906,26 @@ class Scheduler:
 
     # ------------------------------------------------------------ helpers
 
+    def _worst_case_iterations(self, seq: _Seq) -> tuple[int, int]:
+        """``backfill.worst_case_iterations`` for ``seq``: (prefill chunks, iterations) it may still need."""
+        return worst_case_iterations(seq.num_prompt_tokens + len(seq.req.generated), seq.num_computed_tokens,
+                                     seq.num_prompt_tokens, len(seq.req.generated), seq.req.max_tokens,
+                                     self.max_model_len_tokens, min(self.prefill_chunk_tokens, self.token_budget_tokens))
+
+    def _easy_shadow(self, live: list[_Seq], admitted: list[_Seq], grants: dict[_Seq, Sequence[int]],
+                     need_blocks: int) -> tuple[WorstCaseProfile, Shadow] | None:
+        """The worst-case profile of this plan's resident requests (``live`` with their growth
+        this tick, and ``admitted``) and the shadow of a head needing ``need_blocks``."""
+        profile = WorstCaseProfile(self.kv_cap_blocks, self.block_tokens)
+        for s in live:
+            g = grants.get(s)
+            held = len(s.block_table) + (g[1] if g is not None else 0)
+            profile.add(s.num_prompt_tokens + len(s.req.generated), *self._worst_case_iterations(s), held)
+        for s in admitted:
+            profile.add(s.num_tokens, *self._worst_case_iterations(s), grants[s][1])
+        shadow = profile.shadow(need_blocks)
+        return None if shadow is None else (profile, shadow)
+
     def _admission_blocks(self, seq: _Seq) -> int:
         """KV blocks reserved when ``seq`` is admitted: its tokens plus the lookahead slot, or
         its worst case once it is pinned (``spec.fairness_rules.pinned``).
@@ -1036,7 +1081,7 @@ _POLICY_METHODS = ("__len__", "add", "requeue", "remove", "admission_order", "on
 
 
 def _check_knobs(*, clock: Any, backend: Any, policy: Any, isolation: Any, record_itl: Any, check_invariants: Any,
-                 admission_headroom: Any) -> None:
+                 admission_headroom: Any, easy_backfill: Any) -> None:
     """Refuse, at construction, a knob that would fail later inside ``submit`` or ``tick``.
 
     Raises:
@@ -1052,7 +1097,8 @@ def _check_knobs(*, clock: Any, backend: Any, policy: Any, isolation: Any, recor
     if isolation is not None and not isinstance(isolation, (bool, Isolation)):
         raise ValueError(f"isolation must be None, a bool or an isolation.Isolation, got {isolation!r}")
     for name, v, none_ok in (("record_itl", record_itl, False), ("check_invariants", check_invariants, True),
-                             ("admission_headroom", admission_headroom, True)):
+                             ("admission_headroom", admission_headroom, True),
+                             ("easy_backfill", easy_backfill, True)):
         if not isinstance(v, bool) and not (none_ok and v is None):
             raise ValueError(f"{name} must be a bool{' or None' if none_ok else ''}, got {v!r}")
 

@@ -1,0 +1,164 @@
+"""EASY backfilling for admission: pass a waiting request that does not fit, without delaying it.
+
+When the first candidate of the admission order (the *head*) does not fit the free KV blocks,
+a scheduler without backfill admits nothing more this tick (head-of-line blocking) and the free
+blocks stay idle until enough resident requests finish. Plain backfill admits whatever fits
+past the head, which can keep the head waiting for ever (hence aging). EASY backfilling (Lifka,
+"The ANL/IBM SP scheduling system", JSSPP 1995; Mu'alem and Feitelson, IEEE TPDS 12(6), 2001)
+keeps the head's place in time instead:
+
+1. From every resident request's *worst case* (it runs to ``max_tokens`` or the cache length,
+   growing one block every ``block_tokens`` tokens) compute the head's *shadow iteration*: the
+   first coming iteration at which the blocks still held leave room for the head.
+2. A later candidate may be admitted now only if, in the same worst case, it never needs a
+   block the others would need before the shadow iteration, and it has either finished by the
+   shadow iteration or still leaves room for the head there.
+
+Requests that stop early (EOS) only free blocks sooner, so the head is admitted no later than
+its shadow iteration unless a growth preemption or a later change of the admission order
+intervenes. Past the aging reservation the scheduler further requires
+``spec.fairness_rules.may_pass_reservation`` (the starvation bound's guard).
+
+Iterations are counted from the coming one (0). Blocks follow ``spec.rules.blocks_needed``:
+before an iteration a request holds its tokens plus one lookahead slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec import rules
+
+
+def worst_case_iterations(num_tokens: int, num_computed_tokens: int, num_prompt_tokens: int, num_output_tokens: int,
+                          max_tokens: int, max_model_len_tokens: int, chunk_tokens: int) -> tuple[int, int]:
+    """The most iterations a request still needs, and how many of them are prefill chunks.
+
+    Args:
+        num_tokens: prompt + generated tokens known now.
+        num_computed_tokens: of them, tokens with KV in the cache (0 for a waiting request).
+        num_prompt_tokens, num_output_tokens: the prompt's length and the tokens generated so far.
+        max_tokens: the request's output cap, tokens.
+        max_model_len_tokens: the cache length (``spec.rules.max_model_len_tokens``), tokens.
+        chunk_tokens: the prefill chunk, tokens (>= 1).
+
+    Returns:
+        ``(prefill_iters, iters)``: ``prefill_iters = ceil((num_tokens - num_computed_tokens) /
+        chunk)`` (a decode is a one-token chunk), the last of which produces a token; then one
+        token per iteration up to ``min(max_tokens, max_model_len - prompt)`` output tokens.
+        ``iters >= prefill_iters >= 1``.
+    """
+    prefill_iters = max(1, -(-(num_tokens - num_computed_tokens) // chunk_tokens))
+    outputs_left = min(max_tokens, max_model_len_tokens - num_prompt_tokens) - num_output_tokens
+    return prefill_iters, prefill_iters + max(0, outputs_left - 1)
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """The head's place in time.
+
+    Attributes:
+        iteration: the first coming iteration (0 = the next) at which the worst-case resident
+            blocks leave ``need_blocks`` free.
+        extra_blocks: blocks still free at that iteration once the head has its ``need_blocks``.
+        need_blocks: the head's admission blocks (with any headroom).
+    """
+
+    iteration: int
+    extra_blocks: int
+    need_blocks: int
+
+
+class WorstCaseProfile:
+    """Worst-case KV blocks of a set of resident requests over the coming iterations.
+
+    Each row is one request: ``tokens`` known now, ``prefill_iters`` and ``iters`` from
+    ``worst_case_iterations``, and ``held_blocks`` it holds now (a floor: a pinned request holds
+    its worst case from admission). At iteration ``k < iters`` it holds
+    ``max(held, blocks_needed(tokens + max(0, k - prefill_iters + 1)))``; from ``iters`` on, none.
+
+    Args:
+        cap_blocks: the KV cache, blocks. block_tokens: tokens per block.
+
+    Cost: ``shadow`` and ``admits`` are O(E * R) for R rows and E distinct finishing iterations
+    (numpy), computed only in a tick whose head does not fit.
+    """
+
+    def __init__(self, cap_blocks: int, block_tokens: int) -> None:
+        self.cap_blocks = cap_blocks
+        self.block_tokens = block_tokens
+        self._rows: list[tuple[int, int, int, int]] = []
+        self._arrays: tuple[np.ndarray, ...] | None = None
+
+    def add(self, tokens: int, prefill_iters: int, iters: int, held_blocks: int) -> None:
+        """Add a resident request (or one admitted this tick)."""
+        self._rows.append((tokens, prefill_iters, iters, held_blocks))
+        self._arrays = None
+
+    @property
+    def max_iters(self) -> int:
+        """The largest worst-case remaining iterations among the rows (0 when empty)."""
+        return max((r[2] for r in self._rows), default=0)
+
+    def _cols(self) -> tuple[np.ndarray, ...]:
+        if self._arrays is None:
+            a = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
+            self._arrays = (a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+        return self._arrays
+
+    def _blocks(self, tokens: np.ndarray, pre: np.ndarray, iters: np.ndarray, held: np.ndarray,
+                k: np.ndarray) -> np.ndarray:
+        """Blocks held at iterations ``k`` (shape (E,)) by each row: shape (E, R)."""
+        k = k[:, None]
+        known = tokens[None, :] + np.maximum(0, k - pre[None, :] + 1)
+        need = np.maximum(held[None, :], rules.blocks_needed(known, self.block_tokens))
+        return np.where(k < iters[None, :], need, 0)
+
+    def usage_blocks(self, iterations: np.ndarray) -> np.ndarray:
+        """Worst-case blocks held by all rows at each of ``iterations`` (shape (E,) -> (E,))."""
+        iterations = np.asarray(iterations, dtype=np.int64).reshape(-1)
+        if not self._rows:
+            return np.zeros(len(iterations), dtype=np.int64)
+        return self._blocks(*self._cols(), iterations).sum(axis=1)
+
+    def _events(self) -> np.ndarray:
+        """Iteration 0 and every row's finishing iteration, sorted (where usage can drop)."""
+        iters = self._cols()[2] if self._rows else np.zeros(0, dtype=np.int64)
+        return np.unique(np.concatenate([np.zeros(1, dtype=np.int64), iters]))
+
+    def shadow(self, need_blocks: int) -> Shadow | None:
+        """The head's shadow iteration for ``need_blocks``; ``None`` if it never fits.
+
+        Usage only drops when a row finishes, so the first fitting iteration is 0 or a
+        finishing iteration.
+        """
+        events = self._events()
+        free = self.cap_blocks - self.usage_blocks(events)
+        ok = np.nonzero(free >= need_blocks)[0]
+        if len(ok) == 0:
+            return None
+        i = int(ok[0])
+        return Shadow(iteration=int(events[i]), extra_blocks=int(free[i]) - need_blocks, need_blocks=need_blocks)
+
+    def admits(self, tokens: int, prefill_iters: int, iters: int, held_blocks: int, shadow: Shadow) -> bool:
+        """EASY's test for a candidate row against the head's ``shadow``.
+
+        True iff, in the worst case, the rows plus the candidate fit the cache at every
+        iteration before ``min(iters, shadow.iteration)`` (usage peaks just before a row
+        finishes), and the candidate has finished by the shadow iteration or its blocks there
+        fit in ``shadow.extra_blocks``. A shadow at iteration 0 admits nothing (the head fits).
+        """
+        s = shadow.iteration
+        if s <= 0:
+            return False
+        end = min(iters, s)
+        events = self._events()
+        peaks = np.unique(np.concatenate([events[(events > 0) & (events <= end)], [end]]) - 1)
+        cand = (np.array([tokens]), np.array([prefill_iters]), np.array([iters]), np.array([held_blocks]))
+        own = self._blocks(*cand, peaks)[:, 0]
+        if np.any(self.usage_blocks(peaks) + own > self.cap_blocks):
+            return False
+        if iters <= s:
+            return True
+        return int(self._blocks(*cand, np.array([s]))[0, 0]) <= shadow.extra_blocks
