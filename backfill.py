@@ -90,11 +90,12 @@ class WorstCaseProfile:
         self.block_tokens = block_tokens
         self._rows: list[tuple[int, int, int, int]] = []
         self._arrays: tuple[np.ndarray, ...] | None = None
+        self._steps: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def add(self, tokens: int, prefill_iters: int, iters: int, held_blocks: int) -> None:
         """Add a resident request (or one admitted this tick)."""
         self._rows.append((tokens, prefill_iters, iters, held_blocks))
-        self._arrays = None
+        self._arrays = self._steps = None
 
     @property
     def max_iters(self) -> int:
@@ -122,10 +123,16 @@ class WorstCaseProfile:
             return np.zeros(len(iterations), dtype=np.int64)
         return self._blocks(*self._cols(), iterations).sum(axis=1)
 
-    def _events(self) -> np.ndarray:
-        """Iteration 0 and every row's finishing iteration, sorted (where usage can drop)."""
-        iters = self._cols()[2] if self._rows else np.zeros(0, dtype=np.int64)
-        return np.unique(np.concatenate([np.zeros(1, dtype=np.int64), iters]))
+    def _usage_steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(events, usage at each event, usage just before each event)``: the events are
+        iteration 0 and every row's finishing iteration, sorted. Usage only drops at an event
+        and never drops between two, so these are where it can start to fit and where it peaks.
+        Cached until the next ``add``."""
+        if self._steps is None:
+            iters = self._cols()[2] if self._rows else np.zeros(0, dtype=np.int64)
+            events = np.unique(np.concatenate([np.zeros(1, dtype=np.int64), iters]))
+            self._steps = (events, self.usage_blocks(events), self.usage_blocks(np.maximum(events - 1, 0)))
+        return self._steps
 
     def shadow(self, need_blocks: int) -> Shadow | None:
         """The head's shadow iteration for ``need_blocks``; ``None`` if it never fits.
@@ -133,8 +140,8 @@ class WorstCaseProfile:
         Usage only drops when a row finishes, so the first fitting iteration is 0 or a
         finishing iteration.
         """
-        events = self._events()
-        free = self.cap_blocks - self.usage_blocks(events)
+        events, usage, _ = self._usage_steps()
+        free = self.cap_blocks - usage
         ok = np.nonzero(free >= need_blocks)[0]
         if len(ok) == 0:
             return None
@@ -153,12 +160,19 @@ class WorstCaseProfile:
         if s <= 0:
             return False
         end = min(iters, s)
-        events = self._events()
-        peaks = np.unique(np.concatenate([events[(events > 0) & (events <= end)], [end]]) - 1)
-        cand = (np.array([tokens]), np.array([prefill_iters]), np.array([iters]), np.array([held_blocks]))
-        own = self._blocks(*cand, peaks)[:, 0]
-        if np.any(self.usage_blocks(peaks) + own > self.cap_blocks):
+        events, _, before = self._usage_steps()
+        inside = (events > 0) & (events <= end)
+        peaks, usage = events[inside] - 1, before[inside]
+        if not inside.any() or events[inside][-1] != end:  # the candidate's own last iteration
+            peaks = np.append(peaks, end - 1)
+            usage = np.append(usage, self.usage_blocks(np.array([end - 1]))[0])
+        if np.any(usage + self._own_blocks(tokens, prefill_iters, held_blocks, peaks) > self.cap_blocks):
             return False
         if iters <= s:
             return True
-        return int(self._blocks(*cand, np.array([s]))[0, 0]) <= shadow.extra_blocks
+        return int(self._own_blocks(tokens, prefill_iters, held_blocks, np.array([s]))[0]) <= shadow.extra_blocks
+
+    def _own_blocks(self, tokens: int, prefill_iters: int, held_blocks: int, k: np.ndarray) -> np.ndarray:
+        """Blocks a row that has not finished holds at iterations ``k``."""
+        return np.maximum(held_blocks, rules.blocks_needed(tokens + np.maximum(0, k - prefill_iters + 1),
+                                                          self.block_tokens))
