@@ -212,7 +212,9 @@ def may_pass_reservation(candidate_worst_iters: Int, resident_worst_iters_max: I
 
 
 def ticks_to_drain_bound(max_sit_out_ticks: Int, max_work_ticks: Int) -> Int:
-    """Ticks within which every resident request finishes or is preempted, when none is admitted.
+    """Ticks within which every resident request finishes or is preempted, when none is admitted
+    or only requests with less worst-case work than the most a resident still needs
+    (``may_pass_reservation``).
 
     ``max_work_ticks`` bounds the iterations a resident request still needs (its prefill
     chunks plus ``max_tokens``); it runs in at least one of every ``K + 1`` consecutive ticks.
