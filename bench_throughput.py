@@ -4,7 +4,7 @@ the knobs that would recover it cost in TTFT.
     python bench_throughput.py                # every experiment (about 4 minutes on 2 cores)
     python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
     python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
-                                              # victims, backfill, resume or drain
+                                              # victims, backfill, easy, resume or drain
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
 workload's upper bound, ``bench.throughput_upper_bound``):
@@ -16,7 +16,7 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   the waiting requests number at most this share of the resident ones) from the shipped 1/2
   to "always"; per saturating workload, the fraction of the bound and the TTFT p99 over the
   best TTFT p99 of the policies ``make bench`` compares (the goal allows 1.10x).
-* ``knobs``: Batch with one knob changed (backfill, admission headroom, isolation, the
+* ``knobs``: Batch with one knob changed (backfill, EASY backfilling, admission headroom, isolation, the
   preemption cap): fraction of the bound and preemptions per saturating workload.
 * ``l2``: the Martello-Toth L2 lower bound on bins (iterations of ``cap`` blocks) over each
   workload's request-iterations, against the area term ``ceil(S / cap)`` of the bound: is the
@@ -31,6 +31,8 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   windows (rows 0-599, 600-1199, ... of the Azure conversation trace; 200-row windows of the
   Mooncake trace): Batch as shipped, the rule it replaced, and no user shielded.
 * ``backfill``: Batch with and without backfill over the same seeds and windows.
+* ``easy``: Batch with and without EASY backfilling (``backfill.py``), and the two best
+  baselines, over the same seeds and windows.
 * ``resume``: TPOT p99 of Batch, of Batch with preempted decodes resuming ahead of the VTC
   order, and of FCFS-recompute, on the saturating workloads.
 * ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
@@ -56,7 +58,7 @@ from scheduler import Scheduler
 from spec import fairness_rules as fr
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
-EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "resume", "drain")
+EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "easy", "resume", "drain")
 
 
 def _workload(name: str) -> workloads.Workload:
@@ -171,6 +173,15 @@ def backfill_over_seeds() -> list[str]:
                       _seed_cases())
 
 
+def easy_over_seeds() -> list[str]:
+    """Batch with and without EASY backfilling, FCFS-recompute and round robin, over workload
+    seeds and trace windows."""
+    return over_seeds({"Batch (shipped: EASY)": lambda **kw: Scheduler(**kw),
+                       "easy_backfill=False": lambda **kw: Scheduler(easy_backfill=False, **kw),
+                       "FCFS-recompute": bench.POLICIES["FCFS-recompute"],
+                       "Round-robin": bench.POLICIES["Round-robin"]}, _seed_cases())
+
+
 class ResumeFirst(VTCPolicy):
     """VTC, except that a preempted request that already has output tokens is offered before
     every other waiting request (oldest first), whatever its user's counter: what FCFS does
@@ -279,6 +290,7 @@ def knobs() -> list[str]:
     variants: dict[str, Callable[..., Scheduler]] = {
         "Batch (shipped)": lambda **kw: Scheduler(**kw),
         "backfill=True": lambda **kw: Scheduler(policy=VTCPolicy(backfill=True), **kw),
+        "easy_backfill=False": lambda **kw: Scheduler(easy_backfill=False, **kw),
         "admission_headroom=False": lambda **kw: Scheduler(admission_headroom=False, **kw),
         "isolation=False": lambda **kw: Scheduler(isolation=False, **kw),
         "max_preemptions=None": lambda **kw: Scheduler(max_preemptions=None, **kw),
@@ -411,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "backfill" in todo:
         print("== backfill over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
               *backfill_over_seeds(), sep="\n", flush=True)
+    if "easy" in todo:
+        print("== EASY backfilling over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
+              *easy_over_seeds(), sep="\n", flush=True)
     if "resume" in todo:
         print("== preempted decodes resuming first (fraction of the bound, TPOT p99, TTFT p99) ==",
               *resume_first(), sep="\n", flush=True)

@@ -669,7 +669,8 @@ class Scheduler:
                 if easy is not None:  # EASY: past the head only what cannot delay it
                     profile, shadow = easy
                     pre_iters, iters = self._worst_case_iterations(seq)
-                    if not (profile.admits(seq.num_tokens, pre_iters, iters, need, shadow) and (
+                    if self._easy_over_served(seq, resident + len(admitted), admitted) or not (
+                            profile.admits(seq.num_tokens, pre_iters, iters, need, shadow) and (
                             blocked[0] is not reserved or (iters <= shadow.iteration
                                                            and fr.may_pass_reservation(iters, profile.max_iters)))):
                         passed += 1
@@ -911,6 +912,19 @@ class Scheduler:
         return worst_case_iterations(seq.num_prompt_tokens + len(seq.req.generated), seq.num_computed_tokens,
                                      seq.num_prompt_tokens, len(seq.req.generated), seq.req.max_tokens,
                                      self.max_model_len_tokens, min(self.prefill_chunk_tokens, self.token_budget_tokens))
+
+    def _easy_over_served(self, seq: _Seq, resident: int, admitted: list[_Seq]) -> bool:
+        """Whether admitting ``seq`` would leave its user above its weighted fair share of the
+        ``resident + 1`` requests of the batch (``spec.fairness_rules.over_served``; ``admitted``:
+        this plan's admissions so far). EASY does not pass the head with such a request: out of
+        counter order it would widen the service gap (``docs/fairness.md``, section 3)."""
+        u, weight_of = seq.user_id, self._weight_of
+        count = self._resident_by_user.get(u, 0) + 1 + sum(1 for q in admitted if q.user_id == u)
+        users = set(self._resident_by_user) | {q.user_id for q in admitted}
+        total_w = self._resident_weight + sum(weight_of(v) for v in users - set(self._resident_by_user))
+        if u not in users:
+            total_w += weight_of(u)
+        return bool(fr.over_served(count, weight_of(u), resident + 1, total_w))
 
     def _easy_shadow(self, live: list[_Seq], admitted: list[_Seq], grants: dict[_Seq, Sequence[int]],
                      need_blocks: int) -> tuple[WorstCaseProfile, Shadow] | None:
