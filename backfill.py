@@ -154,7 +154,9 @@ class WorstCaseProfile:
         True iff, in the worst case, the rows plus the candidate fit the cache at every
         iteration before ``min(iters, shadow.iteration)`` (usage peaks just before a row
         finishes), and the candidate has finished by the shadow iteration or its blocks there
-        fit in ``shadow.extra_blocks``. A shadow at iteration 0 admits nothing (the head fits).
+        fit in what the rows (including candidates added since the shadow was computed) leave
+        beside the head's ``need_blocks``: ``shadow.extra_blocks`` less what those candidates
+        hold there. A shadow at iteration 0 admits nothing (the head fits).
         """
         s = shadow.iteration
         if s <= 0:
@@ -170,7 +172,8 @@ class WorstCaseProfile:
             return False
         if iters <= s:
             return True
-        return int(self._own_blocks(tokens, prefill_iters, held_blocks, np.array([s]))[0]) <= shadow.extra_blocks
+        left_blocks = self.cap_blocks - shadow.need_blocks - int(self.usage_blocks(np.array([s]))[0])
+        return int(self._own_blocks(tokens, prefill_iters, held_blocks, np.array([s]))[0]) <= left_blocks
 
     def _own_blocks(self, tokens: int, prefill_iters: int, held_blocks: int, k: np.ndarray) -> np.ndarray:
         """Blocks a row that has not finished holds at iterations ``k``."""

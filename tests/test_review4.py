@@ -1,0 +1,43 @@
+"""Found by a skeptical review of EASY backfilling (``backfill.py``, ``Scheduler.schedule``)."""
+from __future__ import annotations
+
+from conftest import ScriptedBackend, StepClock, drain, make_req
+from test_fairness import Spy
+
+from backfill import WorstCaseProfile
+
+B = 16
+
+
+def _admission_ticks(s):
+    return {b.seq.request_id: t for t, p in enumerate(s.plans) for b in p.batch if b.admitted}
+
+
+def test_two_candidates_that_each_fit_beside_the_head_do_not_both_pass_it():
+    """``admits`` compared each candidate's blocks at the shadow iteration with the shadow's
+    ``extra_blocks`` as computed before any candidate was added: two candidates that each fit
+    in the head's leftover, but not together, both passed and held the head past its shadow."""
+    p = WorstCaseProfile(32, B)
+    p.add(300, 5, 24, 19)  # a 300-token prompt, 24 iterations at worst
+    shadow = p.shadow(30)
+    assert (shadow.iteration, shadow.extra_blocks) == (24, 2)
+    cand = (1, 1, 100, 1)  # 2 blocks at iteration 24: fits the 2 left
+    assert p.admits(*cand, shadow)
+    p.add(*cand)
+    assert not p.admits(*cand, shadow)  # the first one took those 2 blocks
+
+
+def test_the_head_is_admitted_at_its_shadow_iteration_with_two_long_candidates_behind_it():
+    """As ``test_backfill._scenario``: a (24 iterations at worst) runs, b needs 29 blocks + 1
+    headroom of 32 and fits when a finishes (iteration 24, 2 blocks to spare). c1 and c2 each
+    hold 2 blocks there (1-token prompts, 100 tokens): one of them may pass b, not both."""
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=32, isolation=False)
+    for r in (make_req("a", "a", 300, 20), make_req("b", "b", 448, 5), make_req("c1", "c1", 1, 100),
+              make_req("c2", "c2", 1, 100)):
+        s.submit(r)
+    drain(s)
+    at = _admission_ticks(s)
+    assert at["a"] == 0 and at["c1"] == 0
+    assert at["b"] == 24  # was 100: c2 passed too and b waited for c1 / c2 to finish
+    assert at["c2"] >= at["b"]
+
