@@ -54,6 +54,23 @@ def worst_case_iterations(num_tokens: int, num_computed_tokens: int, num_prompt_
     return prefill_iters, prefill_iters + max(0, outputs_left - 1)
 
 
+def budget_never_binds(token_budget_tokens: int, cap_blocks: int, block_tokens: int, max_running: int,
+                       prefill_chunk_tokens: int) -> bool:
+    """Whether the token budget can never cut a request's chunk, so that the worst case holds.
+
+    ``worst_case_iterations`` assumes every resident request runs a full chunk (or its decode)
+    every iteration. A request's chunk is at most ``prefill_chunk_tokens`` and at most its
+    ``num_tokens``, which is below ``held_blocks * block_tokens``; so all chunks of an
+    iteration together are at most ``min(max_running * prefill_chunk_tokens, cap_blocks *
+    block_tokens)`` tokens. With a smaller budget, requests late in the running order get
+    fewer tokens than that (none at all once it is spent) and finish later than their worst
+    case; EASY's shadow iteration is then no bound, and a candidate that "finishes by it"
+    on paper may still hold its blocks when the head should fit, so the scheduler does not
+    backfill past the head at all.
+    """
+    return token_budget_tokens >= min(max_running * prefill_chunk_tokens, cap_blocks * block_tokens)
+
+
 @dataclass(frozen=True)
 class Shadow:
     """The head's place in time.

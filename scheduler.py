@@ -30,7 +30,7 @@ import inference_stub
 from backend_api import batch_items
 from inference_stub import Request
 from isolation import Isolation, PlanDraft
-from backfill import Shadow, WorstCaseProfile, worst_case_iterations
+from backfill import Shadow, WorstCaseProfile, budget_never_binds, worst_case_iterations
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
 from policy import Policy, VTCPolicy
@@ -258,7 +258,8 @@ class Scheduler:
             for it (``VTCPolicy`` does; FCFS and round robin pack the cache as vLLM V1 does).
         easy_backfill: when the first candidate does not fit, later candidates that cannot
             delay it in the worst case are admitted past it (EASY backfilling, ``backfill.py``;
-            past the aging reservation only under ``spec.fairness_rules.may_pass_reservation``).
+            past the aging reservation only under ``spec.fairness_rules.may_pass_reservation``;
+            inactive when the token budget may bind: ``backfill.budget_never_binds``).
             ``None``: when the policy asks for it (``VTCPolicy`` does).
 
     Raises:
@@ -929,7 +930,11 @@ class Scheduler:
     def _easy_shadow(self, live: list[_Seq], admitted: list[_Seq], grants: dict[_Seq, Sequence[int]],
                      need_blocks: int) -> tuple[WorstCaseProfile, Shadow] | None:
         """The worst-case profile of this plan's resident requests (``live`` with their growth
-        this tick, and ``admitted``) and the shadow of a head needing ``need_blocks``."""
+        this tick, and ``admitted``) and the shadow of a head needing ``need_blocks``; ``None``
+        when it never fits or when the token budget may bind (``backfill.budget_never_binds``)."""
+        if not budget_never_binds(self.token_budget_tokens, self.kv_cap_blocks, self.block_tokens,
+                                  self.max_running, self.prefill_chunk_tokens):
+            return None
         profile = WorstCaseProfile(self.kv_cap_blocks, self.block_tokens)
         for s in live:
             g = grants.get(s)

@@ -41,3 +41,22 @@ def test_the_head_is_admitted_at_its_shadow_iteration_with_two_long_candidates_b
     assert at["b"] == 24  # was 100: c2 passed too and b waited for c1 / c2 to finish
     assert at["c2"] >= at["b"]
 
+
+def test_a_binding_token_budget_does_not_let_easy_delay_the_head():
+    """The worst case assumed every resident runs a full chunk each iteration. With a token
+    budget that binds, the requests behind others in the running list get less (here c gets
+    1-2 tokens an iteration for its 16-token prompt, not 16), so c, 'finished by the shadow
+    iteration' on paper, held its blocks when r0 finished and h waited 7 more iterations.
+    h must be admitted when r0's blocks come back (tick 4), as without EASY."""
+    def run(easy):
+        s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=64, isolation=False,
+                token_budget_tokens=66, easy_backfill=easy)
+        s.submit(make_req("r0", "r0", 20, 4))  # decodes to tick 3: 2 blocks
+        s.submit(make_req("r1", "r1", 640, 1))  # prefills 64 tokens an iteration to tick 10: 41 blocks
+        s.tick()
+        s.submit(make_req("h", "h", 340, 2))  # 22 blocks + 1 headroom: fits once r0 is done
+        s.submit(make_req("c", "c", 16, 1))  # 2 blocks; 1 chunk on paper, but 1-2 budget tokens left a tick
+        drain(s)
+        return _admission_ticks(s)
+    assert run(False)["h"] == 4
+    assert run(True)["h"] == 4
