@@ -657,6 +657,11 @@ class Scheduler:
                             if self.admission_headroom and seq is not reserved else 0)
                 if not fr.can_admit(free, need, headroom):
                     stop = "kv"
+                    if easy is not None:  # EASY passes it too; blocked stays [head] for isolation's peek
+                        passed += 1
+                        if len(blocked) + passed > BACKFILL_WINDOW:
+                            break
+                        continue
                     blocked.append(seq)
                     if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
                             seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):

@@ -60,3 +60,27 @@ def test_a_binding_token_budget_does_not_let_easy_delay_the_head():
         return _admission_ticks(s)
     assert run(False)["h"] == 4
     assert run(True)["h"] == 4
+
+
+def test_easy_keeps_isolation_room_for_a_light_user_behind_two_requests_that_do_not_fit():
+    """Isolation gives a protected (light) user's request room past a head that does not fit by
+    peeking at the admission order when admission stopped at that head alone. With EASY the
+    loop went on and recorded h's second request (which does not fit either) as blocked too, so
+    the peek was skipped and p, which EASY refuses (it would still hold blocks at h0's shadow
+    iteration), waited 200 ticks for h0 instead of running at once as it does without EASY."""
+    def first_run_tick(easy):
+        s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=64, easy_backfill=easy)
+        for i in range(4):
+            s.submit(make_req(f"a{i}", "a", 100, 200))  # the heavy user: 4 x 7 blocks, 200 iterations
+        s.tick()
+        s.submit(make_req("h0", "h", 940, 5))  # 59 blocks: fits when a's requests finish
+        s.submit(make_req("h1", "h", 940, 5))  # h has 2 waiting: not protected
+        s.submit(make_req("p", "p", 10, 500))  # light: protected; 500 tokens, so EASY refuses it
+        drain(s)
+        first = {}
+        for t, plan in enumerate(s.plans):
+            for b in plan.batch:
+                first.setdefault(b.seq.request_id, t)
+        return first["p"]
+    assert first_run_tick(False) == 1
+    assert first_run_tick(True) == 1  # was 201
