@@ -15,9 +15,14 @@ keeps the head's place in time instead:
    shadow iteration or still leaves room for the head there.
 
 Requests that stop early (EOS) only free blocks sooner, so the head is admitted no later than
-its shadow iteration unless a growth preemption or a later change of the admission order
-intervenes. Past the aging reservation the scheduler further requires
-``spec.fairness_rules.may_pass_reservation`` (the starvation bound's guard).
+its shadow iteration unless a growth preemption, a later change of the admission order, or
+isolation intervenes (``isolation.py``: room made for a protected user's request, or
+iterations in which resident requests sit out, at most ``max_sit_out_ticks`` in a row,
+which delays the requests the shadow waits for). The worst case also needs
+every resident request to run each iteration, so the scheduler backfills this way only when
+the token budget cannot bind (``budget_never_binds``). Past the aging reservation the
+scheduler further requires ``spec.fairness_rules.may_pass_reservation`` (the starvation
+bound's guard).
 
 Iterations are counted from the coming one (0). Blocks follow ``spec.rules.blocks_needed``:
 before an iteration a request holds its tokens plus one lookahead slot.
@@ -118,6 +123,11 @@ class WorstCaseProfile:
     def max_iters(self) -> int:
         """The largest worst-case remaining iterations among the rows (0 when empty)."""
         return max((r[2] for r in self._rows), default=0)
+
+    def rows_after(self, iteration: int) -> int:
+        """Rows still resident at ``iteration`` in the worst case (``iters > iteration``): the
+        resident count the head's admission headroom is computed from there."""
+        return sum(1 for r in self._rows if r[2] > iteration)
 
     def _cols(self) -> tuple[np.ndarray, ...]:
         if self._arrays is None:

@@ -640,6 +640,7 @@ class Scheduler:
             stop = "empty"
             resident = len(live)
             easy: tuple[WorstCaseProfile, Shadow] | None = None  # the head's shadow, once EASY passes it
+            easy_headroom = 0  # the admission headroom the head's shadow counts, blocks
             passed = 0  # candidates EASY tried past the head
             candidates = self.policy.admission_order()
             reserved = self._reserved
@@ -666,6 +667,7 @@ class Scheduler:
                     if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
                             seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):
                         easy = self._easy_shadow(live, admitted, grants, need + headroom) if self.easy_backfill else None
+                        easy_headroom = headroom
                         if easy is None:
                             break  # no backfill, or the reservation: nothing passes it
                         continue
@@ -675,10 +677,13 @@ class Scheduler:
                 if easy is not None:  # EASY: past the head only what cannot delay it
                     profile, shadow = easy
                     pre_iters, iters = self._worst_case_iterations(seq)
+                    done = iters <= shadow.iteration  # finished by the head's shadow iteration
                     if self._easy_over_served(seq, resident + len(admitted), admitted) or not (
                             profile.admits(seq.num_tokens, pre_iters, iters, need, shadow) and (
-                            blocked[0] is not reserved or (iters <= shadow.iteration
-                                                           and fr.may_pass_reservation(iters, profile.max_iters)))):
+                            # still resident there: the head's headroom must not grow past what its shadow counts
+                            done or not easy_headroom or fr.growth_headroom_blocks(
+                                profile.rows_after(shadow.iteration) + 1, B) <= easy_headroom) and (
+                            blocked[0] is not reserved or (done and fr.may_pass_reservation(iters, profile.max_iters)))):
                         passed += 1
                         if len(blocked) + passed > BACKFILL_WINDOW:
                             break

@@ -84,3 +84,23 @@ def test_easy_keeps_isolation_room_for_a_light_user_behind_two_requests_that_do_
         return first["p"]
     assert first_run_tick(False) == 1
     assert first_run_tick(True) == 1  # was 201
+
+
+def test_candidates_still_resident_at_the_shadow_do_not_raise_the_head_s_headroom_past_it():
+    """The head's shadow counts its admission headroom (``growth_headroom_blocks``: one block per
+    16 resident requests) for the resident requests when it is computed. 16 are resident (15
+    one-block decodes to tick 13, and big, done in tick 2), so h needs 46 + 1 blocks, which tick 3
+    frees. c0 and c1 (1 block each, to tick 14) both fit in the 2 blocks h leaves there, but with
+    both still resident h's headroom there is 2 blocks, not 1: h waited for tick 14."""
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=64, isolation=False)
+    for i in range(15):
+        s.submit(make_req(f"t{i}", f"t{i}", 1, 14))
+    s.submit(make_req("big", "big", 192, 1))  # 13 blocks, 3 prompt chunks
+    s.tick()
+    s.submit(make_req("h", "h", 720, 1))  # 46 blocks
+    s.submit(make_req("c0", "c0", 1, 14))
+    s.submit(make_req("c1", "c1", 1, 14))
+    drain(s)
+    at = _admission_ticks(s)
+    assert at["c0"] == 1  # one of them fits beside h at its shadow iteration
+    assert at["h"] == 3  # was 14
