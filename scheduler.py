@@ -28,9 +28,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import inference_stub
 from backend_api import batch_items
+from backfill import Shadow, WorstCaseProfile, budget_never_binds, worst_case_iterations
 from inference_stub import Request
 from isolation import Isolation, PlanDraft
-from backfill import Shadow, WorstCaseProfile, budget_never_binds, worst_case_iterations
 from kv_cache import BlockPool
 from metrics import MetricsRecorder
 from policy import Policy, VTCPolicy
