@@ -4,7 +4,7 @@ the knobs that would recover it cost in TTFT.
     python bench_throughput.py                # every experiment (about 4 minutes on 2 cores)
     python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
     python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
-                                              # victims, backfill, easy, resume or drain
+                                              # victims, backfill, easy, idle, resume or drain
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
 workload's upper bound, ``bench.throughput_upper_bound``):
@@ -33,6 +33,10 @@ workload's upper bound, ``bench.throughput_upper_bound``):
 * ``backfill``: Batch with and without backfill over the same seeds and windows.
 * ``easy``: Batch with and without EASY backfilling (``backfill.py``), and the two best
   baselines, over the same seeds and windows.
+* ``idle``: where the idle KV blocks are, with and without EASY backfilling: per saturating
+  workload, the mean share of the cache left free in ticks with nothing waiting, in ticks
+  where no waiting request would fit, and in ticks where one would (head-of-line blocking);
+  and the scheduler's CPU time per tick (the simulated GPU's excluded).
 * ``resume``: TPOT p99 of Batch, of Batch with preempted decodes resuming ahead of the VTC
   order, and of FCFS-recompute, on the saturating workloads.
 * ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
@@ -43,6 +47,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -56,9 +61,11 @@ from oracle import ClairvoyantPolicy
 from policy import VTCPolicy
 from scheduler import Scheduler
 from spec import fairness_rules as fr
+from spec import lifecycle as lc
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
-EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "easy", "resume", "drain")
+EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "easy", "idle", "resume",
+               "drain")
 
 
 def _workload(name: str) -> workloads.Workload:
@@ -180,6 +187,65 @@ def easy_over_seeds() -> list[str]:
                        "easy_backfill=False": lambda **kw: Scheduler(easy_backfill=False, **kw),
                        "FCFS-recompute": bench.POLICIES["FCFS-recompute"],
                        "Round-robin": bench.POLICIES["Round-robin"]}, _seed_cases())
+
+
+def idle_blocks(names: Sequence[str] = SATURATING) -> list[str]:
+    """Mean free share of the cache per tick, split by what was waiting (see the module docstring),
+    and the scheduler's CPU time per tick, for Batch with and without EASY backfilling."""
+    lines = ["| workload | variant | free: all ticks | nothing waiting | none would fit | one would fit "
+             "| scheduler CPU per tick |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        w = _workload(name)
+        for label, flag in (("Batch (EASY)", True), ("easy_backfill=False", False)):
+            rows: list[tuple[int, int]] = []  # (free blocks before forward, fewest blocks a waiting request needs)
+            holder: dict[str, Scheduler] = {}
+            cpu = [0.0, 0]
+
+            def make(flag: bool = flag, rows: list = rows, holder: dict = holder, cpu: list = cpu, **kw: Any) -> Scheduler:
+                inner = kw.pop("backend")
+
+                def traced(batch: list) -> list[int]:
+                    s = holder["s"]
+                    waiting = [q for v in s._by_id.values() for q in (v if isinstance(v, list) else [v])
+                               if q.state in lc.WAITING_STATES]
+                    rows.append((s.pool.num_free, min((s._admission_blocks(q) for q in waiting), default=-1)))
+                    return inner(batch)
+
+                holder["s"] = s = _Timed(easy_backfill=flag, backend=traced, **kw)
+                s.cpu = cpu
+                return s
+
+            bench.POLICIES[label] = make
+            try:
+                bench.run_cell(w, label)
+            finally:
+                del bench.POLICIES[label]
+            a = np.array(rows, dtype=float).reshape(-1, 2)
+            free, need, cap = a[:, 0], a[:, 1], w.kv_cap_blocks
+            share = [free[m].sum() / len(a) / cap for m in (free >= 0, need < 0, (need >= 0) & (free < need),
+                                                            (need >= 0) & (free >= need))]
+            lines.append(f"| {name} | {label} | " + " | ".join(f"{x:.3f}" for x in share)
+                         + f" | {cpu[0] / max(cpu[1], 1) * 1e6:.0f} us |")
+    return lines
+
+
+class _Timed(Scheduler):
+    """A Scheduler that adds the CPU time of its ``schedule`` + ``update_from_output`` to ``cpu``."""
+
+    cpu: list
+
+    def schedule(self) -> Any:
+        t = time.process_time()
+        plan = super().schedule()
+        self.cpu[0] += time.process_time() - t
+        self.cpu[1] += 1
+        return plan
+
+    def update_from_output(self, plan: Any, tokens: Any, **kw: Any) -> Any:
+        t = time.process_time()
+        out = super().update_from_output(plan, tokens, **kw)
+        self.cpu[0] += time.process_time() - t
+        return out
 
 
 class ResumeFirst(VTCPolicy):
@@ -426,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "easy" in todo:
         print("== EASY backfilling over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
               *easy_over_seeds(), sep="\n", flush=True)
+    if "idle" in todo:
+        print("== idle KV blocks and scheduler CPU, with and without EASY backfilling ==", *idle_blocks(), sep="\n",
+              flush=True)
     if "resume" in todo:
         print("== preempted decodes resuming first (fraction of the bound, TPOT p99, TTFT p99) ==",
               *resume_first(), sep="\n", flush=True)
