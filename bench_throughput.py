@@ -145,11 +145,15 @@ def over_seeds(variants: dict[str, Callable[..., Scheduler]], cases: Sequence[tu
         w = replace(_workload(name), build=build)
         b = bench.throughput_upper_bound(build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
         for label, make in variants.items():
+            saved = bench.POLICIES.get(label)
             bench.POLICIES[label] = make
             try:
                 c = bench.run_cell(w, label)
             finally:
-                del bench.POLICIES[label]
+                if saved is None:
+                    del bench.POLICIES[label]
+                else:
+                    bench.POLICIES[label] = saved
             got.setdefault((name, label), []).append((bench.fraction(c, b), c.metrics[metric]))
     short = metric.replace("_s", "").replace("_", " ").upper().replace("P99", "p99")
     lines = ["| workload (runs) | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 1)]
