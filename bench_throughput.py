@@ -1,7 +1,7 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench_throughput.py                # every experiment (about 4 minutes on 2 cores)
+    python bench_throughput.py                # every experiment (about 10 minutes on 2 cores)
     python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
     python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
                                               # victims, backfill, easy, idle, resume or drain
@@ -38,7 +38,7 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   where no waiting request would fit, and in ticks where one would (head-of-line blocking);
   and the scheduler's CPU time per tick (the simulated GPU's excluded).
 * ``resume``: TPOT p99 of Batch, of Batch with preempted decodes resuming ahead of the VTC
-  order, and of FCFS-recompute, on the saturating workloads.
+  order, and of FCFS-recompute, on the saturating workloads and over seeds and windows.
 * ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
   seeds of the A/B burst, with TTFT p99 over the best baseline's.
 """
@@ -137,9 +137,10 @@ def _seed_cases(n_seeds: int = 8, n_windows: int = 4,
 
 
 def over_seeds(variants: dict[str, Callable[..., Scheduler]], cases: Sequence[tuple[str, Callable[[], list]]],
-               metric: str = "ttft_p99_s") -> list[str]:
+               metric: str = "ttft_p99_s", per_case: bool = False) -> list[str]:
     """Each variant on each case: per workload, the mean fraction of the bound and the mean of
-    ``metric`` over the first variant's on the same seed or window."""
+    ``metric`` over the first variant's on the same seed or window; with ``per_case``, then
+    each case's fractions (seeds and windows numbered from 0)."""
     got: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for name, build in cases:
         w = replace(_workload(name), build=build)
@@ -165,6 +166,11 @@ def over_seeds(variants: dict[str, Callable[..., Scheduler]], cases: Sequence[tu
             t = np.array([y for _, y in got[(name, label)]])
             row.append(f"{f.mean():.4f}, {short} {np.mean(t / ref):.3f}x")
         lines.append("| " + " | ".join(row) + " |")
+    if per_case:
+        lines += ["", "| workload | case | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 2)]
+        for name in dict.fromkeys(n for n, _ in cases):
+            for k in range(len(got[(name, next(iter(variants)))])):
+                lines.append(f"| {name} | {k} | " + " | ".join(f"{got[(name, v)][k][0]:.4f}" for v in variants) + " |")
     return lines
 
 
@@ -190,7 +196,7 @@ def easy_over_seeds() -> list[str]:
     return over_seeds({"Batch (shipped: EASY)": lambda **kw: Scheduler(**kw),
                        "easy_backfill=False": lambda **kw: Scheduler(easy_backfill=False, **kw),
                        "FCFS-recompute": bench.POLICIES["FCFS-recompute"],
-                       "Round-robin": bench.POLICIES["Round-robin"]}, _seed_cases())
+                       "Round-robin": bench.POLICIES["Round-robin"]}, _seed_cases(), per_case=True)
 
 
 def idle_blocks(names: Sequence[str] = SATURATING) -> list[str]:
@@ -284,7 +290,8 @@ def resume_first(names: Sequence[str] = SATURATING) -> list[str]:
             row.append(f"{bench.fraction(c, b):.3f}, TPOT p99 {m['tpot_p99_s'] * 1e3:.0f} ms, "
                        f"TTFT p99 {m['ttft_p99_s']:.1f} s")
         lines.append("| " + " | ".join(row) + " |")
-    return lines
+    lines += ["", "Over workload seeds and trace windows (mean fraction of the bound, TPOT p99 over Batch's):", ""]
+    return lines + over_seeds(variants, _seed_cases(), metric="tpot_p99_s")
 
 
 def drain_variants() -> list[str]:
