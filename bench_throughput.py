@@ -211,7 +211,8 @@ def idle_blocks(names: Sequence[str] = SATURATING) -> list[str]:
             holder: dict[str, Scheduler] = {}
             cpu = [0.0, 0]
 
-            def make(flag: bool = flag, rows: list = rows, holder: dict = holder, cpu: list = cpu, **kw: Any) -> Scheduler:
+            def make(flag: bool = flag, rows: list = rows, holder: dict = holder, cpu: list = cpu,
+                     **kw: Any) -> Scheduler:
                 inner = kw.pop("backend")
 
                 def traced(batch: list) -> list[int]:

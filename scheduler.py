@@ -666,7 +666,8 @@ class Scheduler:
                     blocked.append(seq)
                     if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
                             seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):
-                        easy = self._easy_shadow(live, admitted, grants, need + headroom) if self.easy_backfill else None
+                        easy = (self._easy_shadow(live, admitted, grants, need + headroom)
+                                if self.easy_backfill else None)
                         easy_headroom = headroom
                         if easy is None:
                             break  # no backfill, or the reservation: nothing passes it
@@ -683,7 +684,8 @@ class Scheduler:
                             # still resident there: the head's headroom must not grow past what its shadow counts
                             done or not easy_headroom or fr.growth_headroom_blocks(
                                 profile.rows_after(shadow.iteration) + 1, B) <= easy_headroom) and (
-                            blocked[0] is not reserved or (done and fr.may_pass_reservation(iters, profile.max_iters)))):
+                            blocked[0] is not reserved
+                            or (done and fr.may_pass_reservation(iters, profile.max_iters)))):
                         passed += 1
                         if len(blocked) + passed > BACKFILL_WINDOW:
                             break
@@ -922,7 +924,8 @@ class Scheduler:
         """``backfill.worst_case_iterations`` for ``seq``: (prefill chunks, iterations) it may still need."""
         return worst_case_iterations(seq.num_prompt_tokens + len(seq.req.generated), seq.num_computed_tokens,
                                      seq.num_prompt_tokens, len(seq.req.generated), seq.req.max_tokens,
-                                     self.max_model_len_tokens, min(self.prefill_chunk_tokens, self.token_budget_tokens))
+                                     self.max_model_len_tokens,
+                                     min(self.prefill_chunk_tokens, self.token_budget_tokens))
 
     def _easy_over_served(self, seq: _Seq, resident: int, admitted: list[_Seq]) -> bool:
         """Whether admitting ``seq`` would leave its user above its weighted fair share of the
