@@ -83,7 +83,9 @@ class Shadow:
     Attributes:
         iteration: the first coming iteration (0 = the next) at which the worst-case resident
             blocks leave ``need_blocks`` free.
-        extra_blocks: blocks still free at that iteration once the head has its ``need_blocks``.
+        extra_blocks: blocks still free at that iteration once the head has its ``need_blocks``,
+            counting the rows present when the shadow was computed (for diagnostics and tests;
+            ``admits`` recounts with the rows added since).
         need_blocks: the head's admission blocks (with any headroom).
     """
 
@@ -115,7 +117,13 @@ class WorstCaseProfile:
         self._steps: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def add(self, tokens: int, prefill_iters: int, iters: int, held_blocks: int) -> None:
-        """Add a resident request (or one admitted this tick)."""
+        """Add a resident request (or one admitted this tick).
+
+        Args:
+            tokens: its prompt + generated tokens now. prefill_iters, iters: its
+                ``worst_case_iterations`` (iterations). held_blocks: blocks it holds after this
+                tick's grant (its admission blocks, for one admitted this tick).
+        """
         self._rows.append((tokens, prefill_iters, iters, held_blocks))
         self._arrays = self._steps = None
 
@@ -182,8 +190,7 @@ class WorstCaseProfile:
         iteration before ``min(iters, shadow.iteration)`` (usage peaks just before a row
         finishes), and the candidate has finished by the shadow iteration or its blocks there
         fit in what the rows (including candidates added since the shadow was computed) leave
-        beside the head's ``need_blocks``: ``shadow.extra_blocks`` less what those candidates
-        hold there. A shadow at iteration 0 admits nothing (the head fits).
+        beside the head's ``need_blocks``. A shadow at iteration 0 admits nothing (the head fits).
         """
         s = shadow.iteration
         if s <= 0:

@@ -54,7 +54,8 @@ MAX_PREEMPTIONS = 4
 #: Default aging bound: ticks as the first waiting request that does not fit, then it holds the
 #: reservation (``spec.fairness_rules.reserved_after``).
 AGING_TICKS = 32
-#: With backfill, most non-fitting waiting requests tried past the first one, per tick.
+#: With backfill (plain or EASY), most waiting requests tried and not admitted past the first
+#: that does not fit, per tick.
 BACKFILL_WINDOW = 16
 
 #: The one shared lifecycle machine; records are never registered with it.
@@ -679,13 +680,16 @@ class Scheduler:
                     profile, shadow = easy
                     pre_iters, iters = self._worst_case_iterations(seq)
                     done = iters <= shadow.iteration  # finished by the head's shadow iteration
-                    if self._easy_over_served(seq, resident + len(admitted), admitted) or not (
-                            profile.admits(seq.num_tokens, pre_iters, iters, need, shadow) and (
-                            # still resident there: the head's headroom must not grow past what its shadow counts
-                            done or not easy_headroom or fr.growth_headroom_blocks(
-                                profile.rows_after(shadow.iteration) + 1, B) <= easy_headroom) and (
-                            blocked[0] is not reserved
-                            or (done and fr.may_pass_reservation(iters, profile.max_iters)))):
+                    passes = (
+                        not self._easy_over_served(seq, resident + len(admitted), admitted)
+                        and profile.admits(seq.num_tokens, pre_iters, iters, need, shadow)
+                        # still resident at the shadow: the head's headroom there must not grow past what it counted
+                        and (done or not easy_headroom or fr.growth_headroom_blocks(
+                            profile.rows_after(shadow.iteration) + 1, B) <= easy_headroom)
+                        # past the reservation holder: done by its shadow, shorter than the longest resident
+                        and (blocked[0] is not reserved
+                             or (done and fr.may_pass_reservation(iters, profile.max_iters))))
+                    if not passes:
                         passed += 1
                         if len(blocked) + passed > BACKFILL_WINDOW:
                             break
@@ -922,7 +926,7 @@ class Scheduler:
 
     def _worst_case_iterations(self, seq: _Seq) -> tuple[int, int]:
         """``backfill.worst_case_iterations`` for ``seq``: (prefill chunks, iterations) it may still need."""
-        return worst_case_iterations(seq.num_prompt_tokens + len(seq.req.generated), seq.num_computed_tokens,
+        return worst_case_iterations(seq.num_tokens, seq.num_computed_tokens,
                                      seq.num_prompt_tokens, len(seq.req.generated), seq.req.max_tokens,
                                      self.max_model_len_tokens,
                                      min(self.prefill_chunk_tokens, self.token_budget_tokens))
@@ -952,7 +956,7 @@ class Scheduler:
         for s in live:
             g = grants.get(s)
             held = len(s.block_table) + (g[1] if g is not None else 0)
-            profile.add(s.num_prompt_tokens + len(s.req.generated), *self._worst_case_iterations(s), held)
+            profile.add(s.num_tokens, *self._worst_case_iterations(s), held)
         for s in admitted:
             profile.add(s.num_tokens, *self._worst_case_iterations(s), grants[s][1])
         shadow = profile.shadow(need_blocks)
