@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ScriptedBackend, make_req
+from conftest import ScriptedBackend, StepClock, make_req
 
 import policy
 import scheduler
@@ -111,10 +111,13 @@ def test_model_matches_the_scheduler_tick_by_tick():
 
 
 def _plans(seed: int) -> list[list[tuple[str, int, int, bool]]]:
-    """Every tick's plan (request, tokens, new blocks, admitted) for a seeded run under KV pressure."""
+    """Every tick's plan (request, tokens, new blocks, admitted) for a seeded run under KV pressure.
+
+    The clock is a StepClock: isolation's iteration-cost model learns from measured durations,
+    so on the wall clock two runs of the same seed can plan differently."""
     rng = random.Random(seed)
     be = ScriptedBackend(eos_at={f"r{j}": rng.randint(1, 40) for j in range(0, 30, 3)}, block_tokens=4)
-    s = Scheduler(kv_cap_blocks=40, block_tokens=4, prefill_chunk_tokens=8, backend=be)
+    s = Scheduler(kv_cap_blocks=40, block_tokens=4, prefill_chunk_tokens=8, backend=be, clock=StepClock())
     for j in range(30):
         s.submit(make_req(f"r{j}", user=f"u{j % 3}", n_prompt=rng.randint(1, 30), max_tokens=rng.randint(1, 40)))
     plans = []
