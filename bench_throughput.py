@@ -37,15 +37,15 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   workload, the mean share of the cache left free in ticks with nothing waiting, in ticks
   where no waiting request would fit, and in ticks where one would (head-of-line blocking);
   and the scheduler's CPU time per tick (the simulated GPU's excluded).
-* ``resume``: TPOT p99 of Batch, of Batch with preempted decodes resuming ahead of the VTC
-  order, and of FCFS-recompute, on the saturating workloads and over seeds and windows.
+* ``resume``: TPOT p99 of Batch (preempted decodes resume ahead of the VTC order), of Batch
+  with ``resume_decodes_first=False``, and of FCFS-recompute, on the saturating workloads and
+  over seeds and windows.
 * ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
   seeds of the A/B burst, with TTFT p99 over the best baseline's.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from dataclasses import replace
@@ -259,25 +259,12 @@ class _Timed(Scheduler):
         return out
 
 
-class ResumeFirst(VTCPolicy):
-    """VTC, except that a preempted request that already has output tokens is offered before
-    every other waiting request (oldest first), whatever its user's counter: what FCFS does
-    for a preempted request (back to the head of the queue)."""
-
-    def admission_order(self) -> Any:
-        resumed = sorted((s for q in self._q.users.values() for s in q.requeued if s.req.generated),
-                         key=lambda s: s.arrival_no)
-        if not resumed:
-            return super().admission_order()
-        first = set(map(id, resumed))
-        return itertools.chain(resumed, (s for s in super().admission_order() if id(s) not in first))
-
-
 def resume_first(names: Sequence[str] = SATURATING) -> list[str]:
-    """TPOT p99 and throughput: Batch, Batch resuming preempted decodes first, FCFS-recompute."""
+    """TPOT p99 and throughput: Batch (preempted decodes resume first), Batch with
+    ``resume_decodes_first=False`` (they wait in their user's queue, in counter order), FCFS-recompute."""
     variants: dict[str, Callable[..., Scheduler]] = {
-        "Batch": lambda **kw: Scheduler(**kw),
-        "Batch, preempted decodes resume first": lambda **kw: Scheduler(policy=ResumeFirst(), **kw),
+        "Batch (shipped: preempted decodes resume first)": lambda **kw: Scheduler(**kw),
+        "resume_decodes_first=False": lambda **kw: Scheduler(policy=VTCPolicy(resume_decodes_first=False), **kw),
         "FCFS-recompute": bench.POLICIES["FCFS-recompute"]}
     lines = ["| workload | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 1)]
     for name in names:

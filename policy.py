@@ -9,6 +9,7 @@ from __future__ import annotations
 from bisect import insort
 from collections import OrderedDict, deque
 from heapq import heapify, heappop, heappush, heapreplace, merge
+from itertools import chain
 from typing import Any, Iterator, Protocol, Sequence
 
 from spec import fairness_rules as fr
@@ -23,7 +24,7 @@ MAX_DRAIN_PASSES = 8
 
 class Policy(Protocol):
     """What the scheduler asks of a policy. ``seq`` arguments are the scheduler's records
-    (with ``user_id``, ``arrival_no``, ``admit_no``, ``num_tokens`` attributes)."""
+    (with ``user_id``, ``arrival_no``, ``admit_no``, ``num_tokens``, ``num_prompt_tokens`` attributes)."""
 
     #: Whether admission may pass a waiting request that does not fit and try later ones.
     backfill: bool
@@ -236,13 +237,19 @@ class VTCPolicy:
         easy_backfill: ask the scheduler to admit, past a first candidate that does not fit, the
             candidates that cannot delay it in the worst case (EASY backfilling, ``backfill.py``).
         drain_longest_first: the drain phase (``before_admission``).
+        resume_decodes_first: a preempted request that already has output tokens (a decode
+            preempted by recompute) is offered before every other waiting request, oldest
+            arrival first, whatever its user's counter: what vLLM and FCFS do with a preempted
+            request (back to the head of the queue). Its stream stalls for as long as it waits,
+            so this bounds the stall (TPOT, ITL); it admits out of counter order
+            (``docs/fairness.md``, section 3). The scheduler's aging reservation still goes first.
         prefill_chunk_tokens: the chunk the drain phase counts prompt chunks in, tokens;
             ``None`` (default): the scheduler's (``min(prefill_chunk_tokens,
             token_budget_tokens)``, told by ``before_admission``).
 
     Raises:
         ValueError: a weight is not an int >= 1, or a price is not an int >= 0, or both are 0,
-            or ``prefill_chunk_tokens`` is not ``None`` or an int >= 1.
+            or ``prefill_chunk_tokens`` is not ``None`` or an int >= 1, or a flag is not a bool.
 
     Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
     waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1). In the
@@ -256,7 +263,7 @@ class VTCPolicy:
     def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
                  output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
                  admission_headroom: bool = True, easy_backfill: bool = True, drain_longest_first: bool = True,
-                 prefill_chunk_tokens: int | None = None) -> None:
+                 resume_decodes_first: bool = True, prefill_chunk_tokens: int | None = None) -> None:
         weights = dict(weights or {})
         for user, w in weights.items():
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -264,6 +271,11 @@ class VTCPolicy:
         for name, p in (("prompt_price", prompt_price), ("output_price", output_price)):
             if isinstance(p, bool) or not isinstance(p, int) or p < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {p!r}")
+        for name, flag in (("backfill", backfill), ("isolation", isolation), ("admission_headroom", admission_headroom),
+                           ("easy_backfill", easy_backfill), ("drain_longest_first", drain_longest_first),
+                           ("resume_decodes_first", resume_decodes_first)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         if prompt_price == 0 and output_price == 0:
             raise ValueError("prompt_price and output_price cannot both be 0")
         if prefill_chunk_tokens is not None and (isinstance(prefill_chunk_tokens, bool) or not isinstance(
@@ -289,6 +301,8 @@ class VTCPolicy:
         self._chunk_tokens = prefill_chunk_tokens or 64  # the chunk the drain order counts in (tokens)
         self._drain = False  # set by before_admission: order each user's queue longest first
         self._passes: dict[Any, int] = {}  # waiting request -> later arrivals admitted before it (drain)
+        self.resume_decodes_first = resume_decodes_first
+        self._resumed: list[Any] = []  # waiting preempted decodes, by arrival_no (resume_decodes_first)
 
     # -------------------------------------------------------- counters
 
@@ -335,6 +349,8 @@ class VTCPolicy:
     def requeue(self, seq: Any) -> None:
         if self._q.push_front(seq):
             self._activate(seq.user_id)
+        if self.resume_decodes_first and seq.num_tokens > seq.num_prompt_tokens:  # it has output tokens
+            insort(self._resumed, seq, key=_arrival)
 
     def remove(self, seq: Any) -> None:
         if self._drain:  # an admission out of arrival order passes the user's older waiting requests
@@ -357,6 +373,8 @@ class VTCPolicy:
         """
         self._passes.pop(seq, None)
         self._q.discard(seq)
+        if self._resumed and seq in self._resumed:  # short: the preempted decodes now waiting
+            self._resumed.remove(seq)
 
     def _activate(self, user: str) -> None:
         """The user went idle -> backlogged: lift its counter, give it a fresh heap entry."""
@@ -429,6 +447,15 @@ class VTCPolicy:
                                               -remaining_iterations(q, chunk), q.arrival_no)))
 
     def admission_order(self) -> Iterator[Any]:
+        """Waiting requests in admission order, lazily: with ``resume_decodes_first`` the
+        preempted decodes first (oldest arrival first), then ``counter_order``."""
+        if not self._resumed:
+            return self.counter_order()
+        first = list(self._resumed)
+        skip = set(first)
+        return chain(first, (s for s in self.counter_order() if s not in skip))
+
+    def counter_order(self) -> Iterator[Any]:
         """Waiting requests in VTC order, lazily: smallest counter first, each user's oldest first.
 
         Between yields the counter of the user just yielded is advanced by its request's

@@ -260,17 +260,3 @@ def test_l2_bin_bound_is_a_lower_bound_at_least_the_area():
         hist = np.bincount(sizes, minlength=cap + 1)
         l2 = l2_bin_bound(hist, cap)
         assert -(-sum(sizes) // cap) <= l2 <= _optimal_bins(sizes, cap), sizes
-
-
-def test_resume_first_offers_a_preempted_decode_before_the_vtc_order():
-    from bench_throughput import ResumeFirst  # noqa: PLC0415
-    from test_throughput_rules import Seq  # noqa: PLC0415
-    p = ResumeFirst()
-    fresh_b = Seq("b", 0)
-    p.add(fresh_b)
-    p.on_service("a", 500, 100)  # user a has been served: b goes first in VTC order
-    resumed = Seq("a", 1, num_preemptions=1)
-    resumed.req.generated.extend([5, 6])  # it had output tokens when it was preempted
-    p.requeue(resumed)
-    assert list(p.admission_order()) == [resumed, fresh_b]
-    assert list(super(ResumeFirst, p).admission_order()) == [fresh_b, resumed]

@@ -417,6 +417,10 @@ class _FakeSeq:
         self.user_id, self.arrival_no, self.num_prompt_tokens, self.num_prompt_tokens_served = \
             user, arrival_no, n_prompt, 0
 
+    @property
+    def num_tokens(self):  # no output tokens
+        return self.num_prompt_tokens
+
     def __repr__(self):
         return f"_FakeSeq({self.user_id!r}, {self.arrival_no})"
 
