@@ -6,10 +6,9 @@ token budget, the lifecycle), so a policy is a few small methods.
 """
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from heapq import heapify, heappop, heappush, heapreplace, merge
-from itertools import chain
 from typing import Any, Iterator, Protocol, Sequence
 
 from spec import fairness_rules as fr
@@ -237,12 +236,15 @@ class VTCPolicy:
         easy_backfill: ask the scheduler to admit, past a first candidate that does not fit, the
             candidates that cannot delay it in the worst case (EASY backfilling, ``backfill.py``).
         drain_longest_first: the drain phase (``before_admission``).
-        resume_decodes_first: a preempted request that already has output tokens (a decode
-            preempted by recompute) is offered before every other waiting request, oldest
-            arrival first, whatever its user's counter: what vLLM and FCFS do with a preempted
-            request (back to the head of the queue). Its stream stalls for as long as it waits,
-            so this bounds the stall (TPOT, ITL); it admits out of counter order
-            (``docs/fairness.md``, section 3). The scheduler's aging reservation still goes first.
+        resume_decodes_first: ask the scheduler to try each preempted request that already
+            has output tokens (a decode preempted by recompute; ``resume_first``) before the
+            counter order, oldest arrival first, and admit it if it fits now: vLLM and FCFS put
+            a preempted request back at the head of the queue, since its token stream stalls
+            for as long as it waits (TPOT, ITL). One that does not fit waits at its place in the
+            counter order, so it never blocks the order or its aging. The aging reservation and
+            a head of the counter order that is already blocked go before them, and EASY
+            protects that head from them as from anything behind it. They are admissions out of
+            counter order (``docs/fairness.md``, section 3).
         prefill_chunk_tokens: the chunk the drain phase counts prompt chunks in, tokens;
             ``None`` (default): the scheduler's (``min(prefill_chunk_tokens,
             token_budget_tokens)``, told by ``before_admission``).
@@ -373,8 +375,11 @@ class VTCPolicy:
         """
         self._passes.pop(seq, None)
         self._q.discard(seq)
-        if self._resumed and seq in self._resumed:  # short: the preempted decodes now waiting
-            self._resumed.remove(seq)
+        if self._resumed:
+            r = self._resumed
+            i = bisect_left(r, seq.arrival_no, key=_arrival)
+            if i < len(r) and r[i] is seq:
+                del r[i]
 
     def _activate(self, user: str) -> None:
         """The user went idle -> backlogged: lift its counter, give it a fresh heap entry."""
@@ -446,16 +451,18 @@ class VTCPolicy:
         return iter(sorted(it, key=lambda q: (passes.get(q, 0) < MAX_DRAIN_PASSES,
                                               -remaining_iterations(q, chunk), q.arrival_no)))
 
-    def admission_order(self) -> Iterator[Any]:
-        """Waiting requests in admission order, lazily: with ``resume_decodes_first`` the
-        preempted decodes first (oldest arrival first), then ``counter_order``."""
-        if not self._resumed:
-            return self.counter_order()
-        first = list(self._resumed)
-        skip = set(first)
-        return chain(first, (s for s in self.counter_order() if s not in skip))
+    def resume_first(self) -> Iterator[Any]:
+        """The waiting preempted decodes (requests preempted after producing output tokens),
+        oldest arrival first, when ``resume_decodes_first``; otherwise none.
 
-    def counter_order(self) -> Iterator[Any]:
+        The scheduler tries each before ``admission_order`` (after the aging reservation, and
+        after the order's first request when that one is blocked) and admits it if it fits now;
+        one that does not fit is not blocked there and waits at its place in the counter order.
+        O(1) to start; the list does not change until the plan is applied.
+        """
+        return iter(self._resumed)
+
+    def admission_order(self) -> Iterator[Any]:
         """Waiting requests in VTC order, lazily: smallest counter first, each user's oldest first.
 
         Between yields the counter of the user just yielded is advanced by its request's

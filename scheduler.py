@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import inference_stub
 from backend_api import batch_items
@@ -643,11 +643,29 @@ class Scheduler:
             easy: tuple[WorstCaseProfile, Shadow] | None = None  # the head's shadow, once EASY passes it
             easy_headroom = 0  # the admission headroom the head's shadow counts, blocks
             passed = 0  # candidates EASY tried past the head
-            candidates = self.policy.admission_order()
             reserved = self._reserved
-            if reserved is not None and reserved.state in lc.WAITING_STATES:  # the reservation goes first
-                candidates = itertools.chain((reserved,), (s for s in candidates if s is not reserved))
-            for seq in candidates:
+            if reserved is not None and reserved.state not in lc.WAITING_STATES:
+                reserved = None
+            # (candidate, trial): a trial is a preempted decode (VTCPolicy.resume_first) tried before
+            # the policy's order and admitted only if it fits now; one that does not is skipped
+            # (neither blocked nor passed) and tried again at its place in the order. An order whose
+            # first request is already blocked keeps it first: past it, trials are EASY-checked.
+            candidates: Iterator[tuple[_Seq, bool]] = zip(self.policy.admission_order(), itertools.repeat(False))
+            resume_first = getattr(self.policy, "resume_first", None)
+            if resume_first is not None:
+                trials = [(s, True) for s in itertools.islice(resume_first(), BACKFILL_WINDOW) if s is not reserved]
+                if trials:  # a trial admitted is in grants when the order reaches it
+                    head = next(candidates, None)
+                    rest = ((s, t) for s, t in candidates if s not in grants)
+                    if head is None:
+                        candidates = iter(trials)
+                    elif head[0].blocked_ticks > 0:  # the order's head is blocked: trials go behind it (EASY)
+                        candidates = itertools.chain((head,), (x for x in trials if x[0] is not head[0]), rest)
+                    else:
+                        candidates = itertools.chain(trials, ((s, t) for s, t in (head,) if s not in grants), rest)
+            if reserved is not None:  # the reservation goes first
+                candidates = itertools.chain(((reserved, False),), ((s, t) for s, t in candidates if s is not reserved))
+            for seq, trial in candidates:
                 if resident + len(admitted) >= self.max_running:
                     stop = "max_running"
                     break
@@ -658,6 +676,8 @@ class Scheduler:
                 headroom = (fr.growth_headroom_blocks(resident + len(admitted), B)
                             if self.admission_headroom and seq is not reserved else 0)
                 if not fr.can_admit(free, need, headroom):
+                    if trial:
+                        continue
                     stop = "kv"
                     if easy is not None:  # EASY passes it too; blocked stays [head] for isolation's peek
                         passed += 1
@@ -690,6 +710,8 @@ class Scheduler:
                         and (blocked[0] is not reserved
                              or (done and fr.may_pass_reservation(iters, profile.max_iters))))
                     if not passes:
+                        if trial:
+                            continue
                         passed += 1
                         if len(blocked) + passed > BACKFILL_WINDOW:
                             break
