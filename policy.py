@@ -23,7 +23,11 @@ MAX_DRAIN_PASSES = 8
 
 class Policy(Protocol):
     """What the scheduler asks of a policy. ``seq`` arguments are the scheduler's records
-    (with ``user_id``, ``arrival_no``, ``admit_no``, ``num_tokens``, ``num_prompt_tokens`` attributes)."""
+    (with ``user_id``, ``arrival_no``, ``admit_no``, ``num_tokens``, ``num_prompt_tokens`` attributes).
+
+    Optional: ``before_admission(resident_requests, prefill_chunk_tokens)`` (called in every
+    ``schedule()``) and ``resume_first()`` (waiting requests the scheduler tries before
+    ``admission_order``, admitting those that fit now: ``VTCPolicy.resume_first``)."""
 
     #: Whether admission may pass a waiting request that does not fit and try later ones.
     backfill: bool
