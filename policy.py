@@ -464,7 +464,7 @@ class VTCPolicy:
         one that does not fit is not blocked there and waits at its place in the counter order.
         O(1) to start; the list does not change until the plan is applied.
         """
-        return iter(self._resumed)
+        return iter(self._resumed if self.resume_decodes_first else ())
 
     def admission_order(self) -> Iterator[Any]:
         """Waiting requests in VTC order, lazily: smallest counter first, each user's oldest first.
