@@ -653,7 +653,7 @@ class Scheduler:
             candidates: Iterator[tuple[_Seq, bool]] = zip(self.policy.admission_order(), itertools.repeat(False))
             resume_first = getattr(self.policy, "resume_first", None)
             if resume_first is not None:
-                trials = [(s, True) for s in itertools.islice(resume_first(), BACKFILL_WINDOW)]  # the holder: below
+                trials = [(s, True) for s in itertools.islice(resume_first(), BACKFILL_WINDOW)]  # minus the holder, below
                 if trials:  # a trial admitted is in grants when the order reaches it
                     head = next(candidates, None)
                     rest = ((s, t) for s, t in candidates if s not in grants)
