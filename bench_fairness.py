@@ -3,6 +3,9 @@
     python bench_fairness.py                 # every workload, virtual clock, plus the real-time A/B burst
     python bench_fairness.py --quick         # small sizes (what the test suite runs)
     python bench_fairness.py --no-realtime   # skip the real-time stub runs
+    python bench_fairness.py --overhead      # only the scheduler's CPU time per tick
+    python bench_fairness.py --resume-search # only a large prompt's wait amid preemptions,
+                                             # preempted decodes resuming first or not
 
 Workloads (seeded; virtual clock through ``simulate.run_workload`` unless stated):
 
@@ -281,7 +284,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-realtime", action="store_true", help="skip the real-time stub runs")
     p.add_argument("--realtime-seeds", type=int, default=3, help="seeds of the real-time A/B burst (default 3)")
     p.add_argument("--overhead", action="store_true", help="only the per-tick CPU time of the policies")
+    p.add_argument("--resume-search", action="store_true",
+                   help="only the wait of a large prompt amid preemptions, preempted decodes resuming first or not")
     a = p.parse_args(argv)
+    if a.resume_search:
+        rows = [(seed, iso, large_prompt_wait_ticks(seed, True, iso), large_prompt_wait_ticks(seed, False, iso))
+                for seed in range(40) for iso in (False, True)]
+        print("== a large prompt amid a flood of small requests and preemptions: ticks from its arrival to its"
+              " admission ==")
+        print("   40 seeds x isolation off/on; resume_decodes_first=True (shipped) against False")
+        on, off = [r[2] for r in rows], [r[3] for r in rows]
+        print(f"   runs: {len(rows)}; same wait {sum(x == y for x, y in zip(on, off))}, longer "
+              f"{sum(x > y for x, y in zip(on, off))}, shorter {sum(x < y for x, y in zip(on, off))}; "
+              f"longest wait {max(on)} ticks (rule off: {max(off)}); total {sum(on)} ({sum(off)})")
+        return 0
     if a.overhead:
         print("== scheduler CPU time per tick outside forward (null backend, 4 users, best of 5 x 100 ticks) ==")
         print(f"{'policy':14} {'16 run/100 wait':>15} {'256/100':>8} {'256/100000':>10}")
@@ -384,6 +400,58 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{with_a * 1e3:7.1f}ms {alone * 1e3:7.1f}ms {with_a / alone:6.2f}")
     print(f"\n(bench took {time.perf_counter() - t_start:.0f} s of wall time)")
     return 0
+
+
+class _AdmissionTicks(Scheduler):
+    """A scheduler that records the tick at which each request was admitted."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.admitted_at: dict[str, int] = {}
+
+    def update_from_output(self, plan, tokens, **kw):
+        for e in plan.batch:
+            if e.admitted:
+                self.admitted_at.setdefault(e.seq.request_id, self.stats.ticks)
+        return super().update_from_output(plan, tokens, **kw)
+
+
+def large_prompt_wait_ticks(seed: int, resume_decodes_first: bool, isolation: bool) -> int:
+    """Ticks from the arrival of one large prompt (user ``x``, a third of the cache or more,
+    arriving at tick 20) to its admission, while one or two other users submit 1-3 small
+    requests every tick into a cache of 16-48 blocks of 4 tokens (so decodes are preempted
+    and come back): the search that compared the versions of ``resume_decodes_first``
+    (``docs/fairness.md``, section 3). Seeded; a step clock; no EOS.
+
+    Raises:
+        RuntimeError: the prompt was not admitted within the run (300-600 ticks).
+    """
+    rng = random.Random(seed)
+    cap, B = rng.choice([16, 24, 32, 48]), 4
+    per_tick = rng.choice([1, 2, 3])
+    ticks = iter(range(1, 1 << 62))
+    s = _AdmissionTicks(backend=lambda batch: [1 + (len(r.prompt) + len(r.generated)) % 63 for r in batch],
+                        clock=lambda: next(ticks) * 1e-3, kv_cap_blocks=cap, block_tokens=B,
+                        prefill_chunk_tokens=rng.choice([8, 16, 64]), aging_ticks=rng.choice([4, 8, 32]),
+                        policy=VTCPolicy(resume_decodes_first=resume_decodes_first), isolation=isolation,
+                        max_preemptions=rng.choice([None, 2, 4]))
+
+    def req(rid: str, user: str, n_prompt: int, max_tokens: int) -> Request:
+        return Request(user_id=user, prompt=[1 + i % 63 for i in range(n_prompt)], max_tokens=max_tokens,
+                       request_id=rid)
+
+    x = req("x", "x", rng.randint(cap * B // 3, cap * B - 2 * B), 2)
+    n_ticks, t_sub = rng.randint(300, 600), 20
+    users = rng.choice([["a"], ["a", "b"]])
+    for t in range(n_ticks):
+        for k in range(per_tick):
+            s.submit(req(f"a{t}_{k}", rng.choice(users), rng.randint(2, 12), rng.randint(5, 40)))
+        if t == t_sub:
+            s.submit(x)
+        s.tick()
+        if "x" in s.admitted_at:
+            return s.admitted_at["x"] - t_sub
+    raise RuntimeError(f"seed {seed}: the large prompt was not admitted")
 
 
 def tick_cpu_us(contender: Contender, n_running: int, n_waiting: int, users: int = 4) -> float:

@@ -176,3 +176,10 @@ def test_a_blocked_head_of_the_counter_order_keeps_its_easy_protection_from_tria
     pol.first = [trial]
     s.tick()  # big not blocked yet: the trial goes first
     assert [e.seq for e in s.plans[-1].batch if e.admitted] == [trial]
+
+
+def test_the_resume_search_of_bench_fairness_runs():
+    from bench_fairness import large_prompt_wait_ticks  # noqa: PLC0415
+    waits = [large_prompt_wait_ticks(seed, on, iso) for seed in range(3) for on in (True, False)
+             for iso in (False, True)]
+    assert all(isinstance(w, int) and w >= 0 for w in waits)
