@@ -76,6 +76,8 @@ class Bound:
         load: GPU time needed for all work with perfect packing / arrival span (>= 1: saturating).
         max_resident: most requests that fit the cache at once at their prompt sizes (for the
             simple decode-rate bound 1000 N / (5 + N) tokens/s).
+        ramp_s: the ramp-up term in ``min_duration_s`` when it sets the bound (cache time the
+            requests that had arrived could not fill yet), seconds; 0.0 when another term does.
     """
 
     accepted: int
@@ -87,6 +89,7 @@ class Bound:
     binding_arrival_s: float
     load: float
     max_resident: int
+    ramp_s: float = 0.0
 
     @property
     def saturating(self) -> bool:
@@ -134,7 +137,8 @@ def output_lengths(requests: Sequence[Request], *, kv_cap_blocks: int, block_tok
 def throughput_upper_bound(requests: Sequence[Request], *, kv_cap_blocks: int, eos_probability: float,
                            block_tokens: int = 16, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
                            max_running: int = MAX_RUNNING_REQUESTS, base_s: float = BASE_S,
-                           per_request_s: float = PER_REQUEST_S, gpu_seed: int = GPU_SEED) -> Bound:
+                           per_request_s: float = PER_REQUEST_S, gpu_seed: int = GPU_SEED,
+                           ramp: bool = True) -> Bound:
     """Upper bound on output tokens/s for any schedule of ``requests`` under the stub's rules.
 
     Request i (prompt P, output L) needs at least ``n_i = ceil(P/chunk) + L - 1`` iterations
@@ -146,12 +150,16 @@ def throughput_upper_bound(requests: Sequence[Request], *, kv_cap_blocks: int, e
     ``base_s * I + per_request_s * W`` seconds, all after ``a_k``. So the run lasts at least
     ``D = max_k (a_k - a_0 + base_s*I_k + per_request_s*W_k)`` and throughput is at most
     ``sum L_i / D``. Preemption, padding, a smaller token budget or worse packing only add.
+    The ramp-up term (``_ramp_bound``) raises ``D`` where, early on, too few requests have
+    arrived to fill the cache: ``D >= a_k - a_0 + per_request_s*W_k + base_s*S_k/cap`` plus the
+    base cost those unfilled iterations (or idle time) cannot avoid.
 
     Args:
         requests: the workload (``submitted_at`` = arrival offset, seconds); not modified.
         kv_cap_blocks, block_tokens, prefill_chunk_tokens, max_running: the scheduler's limits.
         eos_probability, gpu_seed: the simulated GPU's token streams (must be seeded).
         base_s, per_request_s: the latency model, seconds.
+        ramp: include the ramp-up term (False: the bound as it was before 2026-11-29's ramp term).
 
     Returns:
         A ``Bound``.
@@ -187,14 +195,96 @@ def throughput_upper_bound(requests: Sequence[Request], *, kv_cap_blocks: int, e
     busy = base_s * iters + per_request_s * W
     D = (a - a[0]) + busy
     k = int(np.argmax(D))
+    d_min, ramp_s = float(D[k]), 0.0
+    if ramp and base_s > 0 and per_request_s >= 0:
+        area = (a - a[0]) + per_request_s * W + base_s * S / cap  # the ramp term's split bound, before the waste
+        ramp_k, waste = _ramp_bound(a, P, L, chunks, prompt_blocks, area, D, d_min, cap=cap, block_tokens=B,
+                                    max_running=max_running, base_s=base_s, per_request_s=per_request_s)
+        if area[ramp_k] + waste > d_min:
+            k, d_min, ramp_s = ramp_k, float(area[ramp_k] + waste), waste
     out_tokens = int(L.sum())
     span = float(a[-1] - a[0])
     load = math.inf if span <= 0 else float(busy[0] / span)
     blocks = np.sort(prompt_blocks)
     fit = int(np.searchsorted(np.cumsum(blocks), kv_cap_blocks, side="right"))
     return Bound(accepted=len(rows), refused=refused, output_tokens=out_tokens, work_request_iterations=int(W[0]),
-                 min_duration_s=float(D[k]), tokens_per_s=out_tokens / float(D[k]) if D[k] > 0 else 0.0,
-                 binding_arrival_s=float(a[k] - a[0]), load=load, max_resident=min(fit, max_running))
+                 min_duration_s=d_min, tokens_per_s=out_tokens / d_min if d_min > 0 else 0.0,
+                 binding_arrival_s=float(a[k] - a[0]), load=load, max_resident=min(fit, max_running), ramp_s=ramp_s)
+
+
+#: The ramp-up term is evaluated at every split for workloads up to this many requests, and
+#: beyond it at the ``RAMP_SPLITS`` splits whose other terms are largest (any subset of
+#: splits gives a valid bound; this keeps the cost near linear for huge workloads).
+RAMP_ALL_SPLITS = 4096
+RAMP_SPLITS = 64
+
+
+def _ramp_bound(a: np.ndarray, P: np.ndarray, L: np.ndarray, chunks: np.ndarray, prompt_blocks: np.ndarray,
+                area: np.ndarray, D: np.ndarray, d_min: float, *, cap: int, block_tokens: int, max_running: int,
+                base_s: float, per_request_s: float) -> tuple[int, float]:
+    """The ramp-up term of the bound: cache time the requests that had arrived cannot fill.
+
+    For the requests arriving at or after ``a_k`` (rows sorted by arrival), every instant
+    ``t`` between ``a_k`` and their last completion ``T`` lies in an iteration or in idle time.
+    An iteration of ``m`` requests whose ``k``-suffix requests hold ``u`` blocks lasts
+    ``base + per_request * m``, and ``base * (1 - u/cap)`` of it is base cost the area term
+    ``base * S_k / cap`` does not count. By time ``t`` a request that arrived at ``a_i`` has
+    completed at most ``floor((t - a_i) / (base + per_request))`` iterations (each lasts that
+    long at least), so it holds at most ``U_i(t) = b_i(min(n_i, that + 1))`` blocks, ``b_i(j)``
+    being its ``kv_blocks_for`` at its j-th iteration (preemption restarts only repeat
+    positions). With ``U_k(t) = sum U_i(t)`` over arrived suffix requests and ``m(t)`` = the
+    requests arrived by ``t`` (at most ``max_running``), the uncounted base cost per second is
+    at least ``rho_k(t) = base * max(0, 1 - U_k(t)/cap) / (base + per_request * m(t))`` at
+    every instant (at most 1, so it also bounds idle time). Hence
+    ``T - a_k >= per_request * W_k + base * S_k / cap + integral_{a_k}^{T} rho_k``, and
+    ``T >= a_0 + d_min`` (the bound's other terms), so the integral is taken to ``a_0 + d_min``.
+    ``rho_k`` is a step function (it changes where some ``U_i`` does), integrated exactly.
+
+    Args:
+        a, P, L, chunks, prompt_blocks: per accepted request sorted by arrival: arrival (s),
+            prompt tokens, output tokens, prefill chunks, prompt blocks.
+        area: per split k, ``a_k - a_0 + per_request * W_k + base * S_k / cap``, seconds.
+        D: per split k, the bound's other terms, seconds (picks the splits for large workloads).
+        d_min: the bound without this term, seconds.
+
+    Returns:
+        ``(k, waste_s)``: the split where ``area[k] + waste`` is largest, and that waste.
+    """
+    delta = base_s + per_request_s
+    n = chunks + L - 1
+    times, steps, owner = [], [], []
+    for i, (ai, p, c, pb, ni) in enumerate(zip(a.tolist(), P.tolist(), chunks.tolist(), prompt_blocks.tolist(),
+                                              n.tolist())):
+        # b_i(j): pb for the c prompt chunks, then ceil((p + g)/B) at decode g = j - c; it steps by one block
+        # at j = c + 1 when p is a multiple of B, and every B tokens after
+        first_g = block_tokens - p % block_tokens + 1 if p % block_tokens else 1
+        g = np.arange(first_g, ni - c + 1, block_tokens)
+        times.append(np.concatenate(([ai], ai + (c + g - 1) * delta)))
+        steps.append(np.concatenate(([float(pb)], np.ones(len(g)))))
+        owner.append(np.full(len(g) + 1, i))
+    t_all = np.concatenate(times)
+    order = np.argsort(t_all, kind="stable")
+    t_all, d_all, o_all = t_all[order], np.concatenate(steps)[order], np.concatenate(owner)[order]
+
+    def waste(k: int, horizon: float) -> float:
+        sel = o_all >= k
+        t, u = t_all[sel], np.cumsum(d_all[sel])
+        m = np.minimum(max_running, np.searchsorted(a, t, side="right"))
+        rho = base_s * np.maximum(0.0, 1.0 - u / cap) / (base_s + per_request_s * m)
+        dur = np.clip(np.append(t[1:], horizon), None, horizon) - t
+        return float((rho * np.maximum(dur, 0.0)).sum())
+
+    if len(a) <= RAMP_ALL_SPLITS:
+        splits = range(len(a))
+    else:
+        splits = sorted(set(np.argsort(D)[-RAMP_SPLITS:].tolist()) | {0})
+    horizon = a[0] + d_min
+    best_k, best_w = 0, waste(0, horizon)
+    for k in splits:
+        w = waste(k, horizon)
+        if area[k] + w > area[best_k] + best_w:
+            best_k, best_w = k, w
+    return best_k, best_w
 
 
 # ---------------------------------------------------------------- running one cell
