@@ -58,7 +58,8 @@ def _direct_ramp_duration(reqs: list[Request], cap: int, eos: float, max_running
             total += (hi - lo) * BASE * max(0.0, 1 - u / cap) / (BASE + PER * m)
         return total
 
-    plain = bench.throughput_upper_bound(reqs, kv_cap_blocks=cap, eos_probability=eos, ramp=False).min_duration_s
+    plain = bench.throughput_upper_bound(reqs, kv_cap_blocks=cap, eos_probability=eos, ramp=False,
+                                          max_running=max_running).min_duration_s
     return max([plain] + [a[k] - a[0] + PER * W[k] + BASE * S[k] / cap + waste(k, a[0] + plain)
                           for k in range(len(rows))])
 
@@ -114,3 +115,15 @@ def test_ramp_events_step_where_kv_blocks_for_does():
     expect = rate * (13 * delta * 0.5 + 16 * delta * 0.25)
     assert ramp_k == 0 and w == pytest.approx(expect)
     assert bench.output_lengths(reqs, kv_cap_blocks=4, eos_probability=0.0) == [40]
+
+
+@pytest.mark.parametrize("seed", [6, 102, 109])  # the horizon truncates the integral; 102: max_running 2; 109: split k > 0
+def test_ramp_term_matches_the_formula_at_later_splits_small_batches_and_the_horizon(seed):
+    rng = random.Random(seed)
+    n, cap = rng.randint(3, 12), rng.choice((8, 16, 24, 64, 256))
+    spec = _spec(rng, n, rng.uniform(0.01, 0.5), prompt=rng.choice((20, 40, 100)), out=(5, 60))
+    max_running = rng.choice((2, 4, 256))
+    b = bench.throughput_upper_bound(_build(spec), kv_cap_blocks=cap, eos_probability=0.05, max_running=max_running)
+    assert b.ramp_s > 0
+    direct = _direct_ramp_duration(_build(spec), cap, 0.05, max_running=max_running)
+    assert b.min_duration_s == pytest.approx(direct, rel=1e-9, abs=1e-12)
