@@ -1,10 +1,10 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench_throughput.py                # every experiment (about 10 minutes on 2 cores)
+    python bench_throughput.py                # every experiment (about 15 minutes on 2 cores)
     python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
     python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
-                                              # victims, backfill, easy, idle, resume or drain
+                                              # victims, backfill, easy, idle, resume, drain or search
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
 workload's upper bound, ``bench.throughput_upper_bound``):
@@ -42,12 +42,19 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   over seeds and windows.
 * ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
   seeds of the A/B burst, with TTFT p99 over the best baseline's.
+* ``search``: how far a better admission order gets on ``long-kv``, where every request
+  arrives at once and runs to ``max_tokens`` (so its order can be fixed in advance): a seeded
+  local search (swap two requests or move one) over fixed priority orders, started from
+  longest remaining work first, keeping each change that does not lower the fraction of the
+  bound. A lower limit on what a schedule can reach, not a policy.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
+from bisect import insort
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -65,7 +72,9 @@ from spec import lifecycle as lc
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
 EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "easy", "idle", "resume",
-               "drain")
+               "drain", "search")
+#: Local-search steps of ``--only search`` (each one run of the workload, about 0.2 s on ``long-kv``).
+SEARCH_STEPS = 600
 
 
 def _workload(name: str) -> workloads.Workload:
@@ -466,6 +475,67 @@ def clairvoyant_orders(names: Sequence[str] = SATURATING) -> list[str]:
     return lines
 
 
+class _RankedPolicy(ClairvoyantPolicy):
+    """The oracle's rule (victim: fewest computed tokens) with a fixed admission order: ``rank``
+    maps request id -> position, lowest first; ``backfill`` as in ``ClairvoyantPolicy``."""
+
+    def __init__(self, known: dict[int, int], rank: dict[str, int], *, backfill: bool) -> None:
+        super().__init__(known, backfill=backfill)
+        self._rank = rank
+
+    def add(self, seq: Any) -> None:
+        insort(self._waiting, (self._rank[seq.req.request_id], seq.arrival_no, seq), key=lambda e: e[:2])
+
+    requeue = add
+
+
+def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0) -> list[str]:
+    """Seeded local search over fixed admission orders on one workload (see ``search`` above):
+    the fraction of the bound at the start (longest remaining work first, with and without
+    backfill; the search goes on from the better), after each tenth of the steps, and at the
+    end, with the TTFT p99 of the final order."""
+    w = _workload(name)
+    b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
+    base = w.build()
+    lengths = dict(zip((r.request_id for r in base),
+                       bench.output_lengths(base, kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)))
+
+    def run(order: list[str], backfill: bool) -> tuple[float, float]:
+        reqs = w.build()
+        known = {id(r): lengths[r.request_id] for r in reqs if lengths[r.request_id] is not None}
+        rank = {rid: i for i, rid in enumerate(order)}
+        bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy(known, rank, backfill=backfill), **kw)
+        try:
+            c = bench.run_cell(w, "search", requests=reqs)
+        finally:
+            del bench.POLICIES["search"]
+        return bench.fraction(c, b), c.metrics["ttft_p99_s"]
+
+    chunk = {r.request_id: -(-len(r.prompt) // bench.PREFILL_CHUNK_TOKENS) for r in base}
+    order = sorted((rid for rid, n in lengths.items() if n is not None), key=lambda rid: -(chunk[rid] + lengths[rid]))
+    start = {bf: run(order, bf)[0] for bf in (False, True)}
+    backfill = start[True] > start[False]
+    best = start[backfill]
+    rng = random.Random(seed)
+    lines = [f"| {name} | start: longest remaining work first | {start[False]:.4f} (backfill {start[True]:.4f}) |",
+             "|---|---|---|"]
+    for step in range(1, steps + 1):
+        cand = order[:]
+        i, j = rng.sample(range(len(cand)), 2)
+        if rng.random() < 0.5:
+            cand[i], cand[j] = cand[j], cand[i]
+        else:
+            cand.insert(j, cand.pop(i))
+        f = run(cand, backfill)[0]
+        if f >= best:
+            best, order = f, cand
+        if step % max(1, steps // 10) == 0:
+            lines.append(f"| {name} | after {step} steps | {best:.4f} |")
+    f, ttft = run(order, backfill)
+    lines.append(f"| {name} | final order (backfill {backfill}) | {f:.4f}, TTFT p99 {ttft:.1f} s |")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=8, help="workload seeds for the seed spread")
@@ -499,6 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               *resume_first(), sep="\n", flush=True)
     if "drain" in todo:
         print("== drain-phase variants on the A/B burst, 8 seeds ==", *drain_variants(), sep="\n", flush=True)
+    if "search" in todo:
+        print("== local search over admission orders (fraction of the bound) ==", *order_search(), sep="\n",
+              flush=True)
     if "orders" in todo:
         print("== clairvoyant list rules: order x backfill (fraction of the bound, TTFT p99) ==",
               *clairvoyant_orders(), sep="\n", flush=True)

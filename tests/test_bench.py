@@ -260,3 +260,20 @@ def test_l2_bin_bound_is_a_lower_bound_at_least_the_area():
         hist = np.bincount(sizes, minlength=cap + 1)
         l2 = l2_bin_bound(hist, cap)
         assert -(-sum(sizes) // cap) <= l2 <= _optimal_bins(sizes, cap), sizes
+
+
+def test_ranked_order_admits_by_rank_and_the_search_never_loses_ground():
+    from bench_throughput import _RankedPolicy, order_search  # noqa: PLC0415
+    reqs = [make_req(f"q{i}", n_prompt=8, max_tokens=4) for i in range(4)]
+    rank = {"q2": 0, "q0": 1, "q3": 2, "q1": 3}
+    sched = Scheduler(policy=_RankedPolicy({id(r): 4 for r in reqs}, rank, backfill=False), kv_cap_blocks=4,
+                      block_tokens=4, max_running=1, backend=ScriptedBackend(block_tokens=4))
+    for r in reqs:
+        sched.submit(r)
+    order = []
+    while sched.has_active():
+        order += [r.request_id for r in sched.tick()]
+    assert order == ["q2", "q0", "q3", "q1"]
+    lines = order_search("long-kv", steps=4, seed=1)
+    figures = [float(line.split("|")[3].split(",")[0].split()[0]) for line in lines[2:]]
+    assert figures == sorted(figures) and figures[-1] <= 1.0
