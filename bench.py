@@ -643,7 +643,12 @@ ceil(W_k / 256), max n_i, max_{j=1..63} ceil(W_k(j) / j))` iterations, where `W_
 their request-iterations that hold more than `cap / (j+1)` blocks (an iteration fits at most
 `j` of those: a packing term the area term `S_k / cap` misses for big requests). These take
 at least `5 ms * I_k + 1 ms * W_k`, all after `a_k`. Hence `D >= D_min = max_k (a_k - a_0 + 5 ms * I_k + 1 ms * W_k)` and
-throughput <= `T / D_min`.
+throughput <= `T / D_min`. The split `k = 0` is the GPU-work bound (it contains the simple
+decode-rate bound: with N requests resident, at most `1000 N / (5 + N)` tokens/s, N as
+large as the cap admits); the last split is the offered-load bound (the last request cannot
+finish before it arrives plus its own iterations). Preemption (recompute), padding, a
+smaller token budget and imperfect packing only add work, so every policy's throughput is at
+most the bound: the "of bound" column is in [0, 1].
 
 **Ramp-up term** (added 2026-11-29; `bench._ramp_bound`). While requests trickle in, too few
 have arrived to fill the cache, and the base cost of those iterations buys less than
@@ -660,15 +665,12 @@ second, and `rho_k <= 1` covers idle time. So the split's requests finish no soo
 `a_k + 1 ms * W_k + 5 ms * S_k / cap + integral rho_k dt`, the integral taken from `a_k` to
 `a_0 + D_min` (no schedule ends sooner). The bound takes the larger of this and `D_min`. It
 raises the bound where arrivals trickle into a cache-bound workload (`ab-burst`: the first
-0.3 s) and is zero once enough requests have arrived to fill the cache: it models the start
+0.25 s) and is zero once enough requests have arrived to fill the cache: it models the start
 of a burst, not its drain. `tests/test_bound_ramp.py` checks it against a direct evaluation
-and against every policy and the clairvoyant oracle on workloads where it binds. The split `k = 0` is the GPU-work bound (it contains the simple
-decode-rate bound: with N requests resident, at most `1000 N / (5 + N)` tokens/s, N as
-large as the cap admits); the last split is the offered-load bound (the last request cannot
-finish before it arrives plus its own iterations). Preemption (recompute), padding, a
-smaller token budget and imperfect packing only add work, so every policy's throughput is at
-most the bound: the "of bound" column is in [0, 1]. The bound assumes perfect packing at
-every iteration, including the tail where few requests remain. It is an idealisation a
+and against every policy and the clairvoyant oracle on workloads where it binds.
+
+Past the ramp-up, the bound assumes perfect packing at every iteration, including the tail
+where few requests remain. It is an idealisation a
 clairvoyant schedule could approach (knowing every output length, it would keep the batch
 full to the end, as McNaughton's wrap-around rule does for preemptive makespan, and pack the
 cache exactly); a scheduler that learns output lengths only at EOS loses the tail, where few
