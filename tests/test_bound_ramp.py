@@ -127,3 +127,16 @@ def test_ramp_term_matches_the_formula_at_later_splits_small_batches_and_the_hor
     assert b.ramp_s > 0
     direct = _direct_ramp_duration(_build(spec), cap, 0.05, max_running=max_running)
     assert b.min_duration_s == pytest.approx(direct, rel=1e-9, abs=1e-12)
+
+
+def test_large_workloads_evaluate_a_subset_of_splits_and_stay_valid(monkeypatch):
+    # over RAMP_ALL_SPLITS requests only the split k = 0 and the RAMP_SPLITS largest splits are tried:
+    # any subset is valid, so the bound lies between the plain bound and the all-splits one
+    spec = _spec(random.Random(7), 60, 0.2)
+    full = bench.throughput_upper_bound(_build(spec), kv_cap_blocks=48, eos_probability=0.05)
+    plain = bench.throughput_upper_bound(_build(spec), kv_cap_blocks=48, eos_probability=0.05, ramp=False)
+    monkeypatch.setattr(bench, "RAMP_ALL_SPLITS", 10)
+    monkeypatch.setattr(bench, "RAMP_SPLITS", 3)
+    sub = bench.throughput_upper_bound(_build(spec), kv_cap_blocks=48, eos_probability=0.05)
+    assert plain.min_duration_s < sub.min_duration_s <= full.min_duration_s
+    assert sub.ramp_s > 0
