@@ -745,7 +745,8 @@ def write_report(results: list[WorkloadResult], path: Path, img_dir: Path, *, ov
               f"{b.output_tokens} output tokens; {b.work_request_iterations} request-iterations at least",
               f"- upper bound: {b.tokens_per_s:.1f} tok/s (no schedule lasts under {b.min_duration_s:.2f} s; binding "
               f"split at arrival {b.binding_arrival_s:.2f} s"
-              + (f", ramp-up term {1000 * b.ramp_s:.0f} ms" if b.ramp_s > 0 else "") + f"); load {b.load:.2f}"
+              + (f", ramp-up term {1000 * b.ramp_s:.0f} ms of base cost the requests arrived so far cannot fill"
+                 if b.ramp_s > 0 else "") + f"); load {b.load:.2f}"
               f" ({'saturating' if b.saturating else 'not saturating'}); at most {b.max_resident} requests fit "
               f"the cap at their prompt sizes (decode-rate bound {1000 * b.max_resident / (5 + b.max_resident):.0f} "
               "tok/s)",
