@@ -280,3 +280,42 @@ def test_ranked_order_admits_by_rank_and_the_search_never_loses_ground():
     assert figures == sorted(figures) and figures[-1] <= 1.0
     assert figures[-1] == figures[-2]  # the final order, rerun, gives the best fraction the search kept
     assert figures[-1] > start  # seeded: these 4 steps find a better order than longest-first (a no-op search fails)
+
+
+def test_ttft_search_keeps_every_ttft_within_the_limit_and_never_loses_ground(monkeypatch):
+    import bench_throughput as bt  # noqa: PLC0415
+    # A tight limit (arrival order is at 1.01x): on this seed, 20 steps without it keep an order at 1.07x.
+    monkeypatch.setattr(bt, "TTFT_LIMIT", 1.02)
+    lines = bt.ttft_search("ab-burst", steps=20, seed=0, last=30)
+    assert "last 30 positions" in lines[0]
+    start = float(lines[0].split("|")[3].split(",")[0])
+    figures = [float(line.split("|")[3].split(",")[0]) for line in lines[2:]]
+    assert figures == sorted(figures) and figures[-1] <= 1.0
+    assert figures[-1] == figures[-2]  # the final order, rerun, gives the best fraction the search kept
+    assert figures[-1] >= start  # arrival order is within the limit on this seed, so nothing below it is kept
+    largest = float(lines[-1].split("largest TTFT ")[1].split("x")[0])
+    assert largest <= 1.02
+    assert figures[-1] > start  # seeded: an order within the limit better than arrival order is found
+
+
+def test_drain_frontier_runs_batch_with_each_setting_and_restores_the_shipped_one(monkeypatch):
+    import bench_throughput as bt  # noqa: PLC0415
+    import policy  # noqa: PLC0415
+    shipped = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
+    monkeypatch.setattr(bt, "FRONTIER_SHARES", (shipped[0], (2, 1)))
+    monkeypatch.setattr(bt, "FRONTIER_PASSES", (shipped[1],))
+    lines = bt.drain_frontier(n_seeds=1)
+    assert (policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES) == shipped
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert [r[0] for r in rows] == [f"{shipped[0][0]}/{shipped[0][1]} (shipped)", "2/1"]
+    w = bt._workload("ab-burst")
+    w0 = bt.replace(w, build=lambda: workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=0))
+    b = bench.throughput_upper_bound(w0.build(), kv_cap_blocks=w0.kv_cap_blocks, eos_probability=w0.eos_probability)
+    assert float(rows[0][2]) == pytest.approx(bench.fraction(bench.run_cell(w0, "Batch"), b), abs=5e-5)
+    policy.DRAIN_SHARE = (2, 1)
+    try:
+        other = bench.fraction(bench.run_cell(w0, "Batch"), b)
+    finally:
+        policy.DRAIN_SHARE = shipped[0]
+    assert float(rows[1][2]) == pytest.approx(other, abs=5e-5)
+    assert all(r[6] in ("0 of 1", "1 of 1") for r in rows)
