@@ -548,10 +548,12 @@ FRONTIER_PASSES = (2, 8, 16)
 
 
 def drain_frontier(n_seeds: int = 8) -> list[str]:
-    """Every drain share x pass cap of ``FRONTIER_SHARES`` x ``FRONTIER_PASSES`` on ``n_seeds``
-    seeds of the A/B burst: mean fraction of the bound, TTFT p99 over the best baseline's on the
-    same seed (mean and max), the published seed's pair, and on how many seeds both goals hold
-    (>= 0.95 of the bound and TTFT p99 <= ``TTFT_LIMIT`` x the best baseline's)."""
+    """Online rules trading throughput for TTFT on ``n_seeds`` seeds of the A/B burst: Batch
+    with every drain share x pass cap of ``FRONTIER_SHARES`` x ``FRONTIER_PASSES``, then
+    ``AgedLPT`` with each of ``AGED_LPT_BETAS_S``. Per rule: mean fraction of the bound, TTFT
+    p99 over the best baseline's on the same seed (mean and max), the published seed's pair,
+    and on how many seeds both goals hold (>= 0.95 of the bound and TTFT p99 <= ``TTFT_LIMIT``
+    x the best baseline's)."""
     saved = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
     cases = []
     for name, build in _seed_cases(n_seeds, names=("ab-burst",)):
@@ -559,25 +561,56 @@ def drain_frontier(n_seeds: int = 8) -> list[str]:
         b = bench.throughput_upper_bound(build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
         cases.append((w, b, min(bench.run_cell(w, p).metrics["ttft_p99_s"] for p in bench.BASELINES)))
     published = _workload("ab-burst").seed
-    lines = ["| drain share | pass cap | mean of bound | TTFT p99 / best baseline's: mean | max "
+    lines = ["| rule | setting | mean of bound | TTFT p99 / best baseline's: mean | max "
              f"| seed {published} (published) | seeds with both goals |", "|---|---|---|---|---|---|---|"]
+
+    def row(rule: str, setting: str, policy_name: str) -> None:
+        got = []
+        for w, b, best in cases:
+            c = bench.run_cell(w, policy_name)
+            got.append((bench.fraction(c, b), c.metrics["ttft_p99_s"] / best))
+        f = np.array([x for x, _ in got])
+        r = np.array([y for _, y in got])
+        pub = f"{f[published]:.3f} at {r[published]:.2f}x" if published < len(got) else "-"
+        lines.append(f"| {rule} | {setting} | {f.mean():.4f} | {r.mean():.3f}x | {r.max():.2f}x | {pub} "
+                     f"| {int(np.sum((f >= 0.95) & (r <= TTFT_LIMIT)))} of {len(got)} |")
+
     try:
         for share in FRONTIER_SHARES:
             for passes in FRONTIER_PASSES:
                 policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = share, passes
-                got = []
-                for w, b, best in cases:
-                    c = bench.run_cell(w, "Batch")
-                    got.append((bench.fraction(c, b), c.metrics["ttft_p99_s"] / best))
-                f = np.array([x for x, _ in got])
-                r = np.array([y for _, y in got])
                 shipped = " (shipped)" if (share, passes) == saved else ""
-                pub = f"{f[published]:.3f} at {r[published]:.2f}x" if published < len(got) else "-"
-                lines.append(f"| {share[0]}/{share[1]}{shipped} | {passes} | {f.mean():.4f} | {r.mean():.3f}x "
-                             f"| {r.max():.2f}x | {pub} | {int(np.sum((f >= 0.95) & (r <= TTFT_LIMIT)))} of {len(got)} |")
+                row("drain phase", f"share {share[0]}/{share[1]}, pass cap {passes}{shipped}", "Batch")
     finally:
         policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = saved
+    for beta_s in AGED_LPT_BETAS_S:
+        bench.POLICIES["aged"] = lambda beta_s=beta_s, **kw: Scheduler(policy=AgedLPT(beta_s), **kw)
+        try:
+            row("aged LPT", f"beta {1000 * beta_s:g} ms per iteration", "aged")
+        finally:
+            del bench.POLICIES["aged"]
     return lines
+
+
+#: Advances of ``--only ttft``'s aged-LPT rule, seconds per remaining iteration.
+AGED_LPT_BETAS_S = (0.002, 0.005, 0.01, 0.02)
+
+
+class AgedLPT(VTCPolicy):
+    """VTC whose users' queues are ordered by ``submitted_at - beta_s * remaining_iterations``
+    (prompt chunks + ``max_tokens`` left), always, not only in the drain phase: a request is
+    treated as if it had arrived ``beta_s`` seconds earlier per iteration it may still need.
+    ``beta_s = 0`` is arrival order; a large ``beta_s`` is longest first. A deployable rule
+    between the two (it reads only ``max_tokens``), for the trade-off table of ``--only ttft``."""
+
+    def __init__(self, beta_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.beta_s = beta_s
+
+    def _user_order(self, user: str) -> Any:
+        chunk = self._chunk_tokens
+        return iter(sorted(self._q.iter_user(user), key=lambda q: (
+            q.req.submitted_at - self.beta_s * policy.remaining_iterations(q, chunk), q.arrival_no)))
 
 
 def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0, last: int | None = None) -> list[str]:
@@ -586,9 +619,10 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
     workload. The limit is put on the largest TTFT, stricter than the p99 the goal reads. It
     starts from arrival order and keeps a change when the fraction of the bound does not drop and
     the largest TTFT stays within the limit. ``last``: only the last ``last`` positions of the
-    arrival order are permuted (the requests admitted in the drain). Like ``order_search`` it
-    is told the true output lengths (the oracle's victim rule reads them) and each step reruns
-    the workload, so it finds what some schedule reaches, with hindsight, not a policy.
+    arrival order are permuted (the requests admitted in the drain). The policy reads no output
+    lengths (``_RankedPolicy`` with an empty length table: a fixed order, the fewest-computed
+    victim), but each step reruns the workload and sees every TTFT, so the search finds what
+    some schedule reaches with hindsight; it is not a policy.
 
     Returns:
         Markdown table rows: the start, after each tenth of the steps, and the final order with
@@ -599,21 +633,18 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
     best_p99 = min(bench.run_cell(w, p).metrics["ttft_p99_s"] for p in bench.BASELINES)
     limit_s = TTFT_LIMIT * best_p99
     base = w.build()
-    lengths = dict(zip((r.request_id for r in base),
-                       bench.output_lengths(base, kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)))
 
     def run(order: list[str]) -> tuple[float, float, float]:
         reqs = w.build()
-        known = {id(r): lengths[r.request_id] for r in reqs if lengths[r.request_id] is not None}
         rank = {rid: i for i, rid in enumerate(order)}
-        bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy(known, rank, backfill=True), **kw)
+        bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy({}, rank, backfill=True), **kw)
         try:
             c = bench.run_cell(w, "search", requests=reqs)
         finally:
             del bench.POLICIES["search"]
         return bench.fraction(c, b), float(c.ttft_s.max()), c.metrics["ttft_p99_s"]
 
-    order = [r.request_id for r in base if lengths[r.request_id] is not None]  # arrival order
+    order = [r.request_id for r in base]  # arrival order
     lo = 0 if last is None else max(0, len(order) - last)
     f, top, _ = run(order)
     best = f if top <= limit_s else -1.0

@@ -304,10 +304,13 @@ def test_drain_frontier_runs_batch_with_each_setting_and_restores_the_shipped_on
     shipped = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
     monkeypatch.setattr(bt, "FRONTIER_SHARES", (shipped[0], (2, 1)))
     monkeypatch.setattr(bt, "FRONTIER_PASSES", (shipped[1],))
+    monkeypatch.setattr(bt, "AGED_LPT_BETAS_S", (0.0,))
     lines = bt.drain_frontier(n_seeds=1)
     assert (policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES) == shipped
+    assert "aged" not in bench.POLICIES
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
-    assert [r[0] for r in rows] == [f"{shipped[0][0]}/{shipped[0][1]} (shipped)", "2/1"]
+    assert [r[1] for r in rows] == [f"share {shipped[0][0]}/{shipped[0][1]}, pass cap {shipped[1]} (shipped)",
+                                    f"share 2/1, pass cap {shipped[1]}", "beta 0 ms per iteration"]
     w = bt._workload("ab-burst")
     w0 = bt.replace(w, build=lambda: workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=0))
     b = bench.throughput_upper_bound(w0.build(), kv_cap_blocks=w0.kv_cap_blocks, eos_probability=w0.eos_probability)
@@ -318,4 +321,9 @@ def test_drain_frontier_runs_batch_with_each_setting_and_restores_the_shipped_on
     finally:
         policy.DRAIN_SHARE = shipped[0]
     assert float(rows[1][2]) == pytest.approx(other, abs=5e-5)
+    # beta 0: each user's queue in arrival order, always (no drain phase)
+    monkeypatch.setitem(bench.POLICIES, "fifo", lambda **kw: Scheduler(policy=bt.VTCPolicy(drain_longest_first=False),
+                                                                       **kw))
+    fifo = bench.fraction(bench.run_cell(w0, "fifo"), b)
+    assert float(rows[2][2]) == pytest.approx(fifo, abs=5e-5)
     assert all(r[6] in ("0 of 1", "1 of 1") for r in rows)
