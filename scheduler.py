@@ -427,6 +427,8 @@ class Scheduler:
                 tick (a scheduler bug; the tick was applied).
             BaseException: one that is not an ``Exception`` (``KeyboardInterrupt``) raised
                 inside ``forward`` is re-raised as it is, after the same rollback.
+            Exception: whatever the clock raises when it is read after ``forward``, re-raised
+                as it is after the same rollback (the tick is undone; ``tick()`` retries it).
         """
         with self._tick_lock:
             with self._lock:
@@ -457,8 +459,14 @@ class Scheduler:
                         raise
                     return self._on_backend_failure(plan, e)
             with self._lock:
+                try:  # read before any change: a clock that raises here leaves the tick undone too
+                    now_s = self.clock()
+                except BaseException:
+                    self._rollback_blocks(journal)
+                    self._end_inflight()
+                    raise
                 self._backend_failures = 0
-                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
+                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s, now_s=now_s)
                 self._last_tick = (plan, finished, None)
                 try:
                     if self._checker is not None:  # before deferred aborts apply: the plan's own outcome
@@ -779,7 +787,7 @@ class Scheduler:
             seq.block_table = before
 
     def update_from_output(self, plan: SchedulePlan, tokens: Sequence[int], *,
-                           iteration_start_s: float | None = None) -> list[Request]:
+                           iteration_start_s: float | None = None, now_s: float | None = None) -> list[Request]:
         """Apply a plan whose iteration returned ``tokens`` (one per ``plan.batch`` entry).
 
         Expects ``_commit_blocks(plan)`` to have run (``tick()`` does both). Moves the
@@ -794,11 +802,13 @@ class Scheduler:
             tokens: ``len(plan.batch)`` token ids from ``forward``.
             iteration_start_s: clock reading before ``forward`` (admission time for queue-time
                 metrics); defaults to the clock now.
+            now_s: clock reading after ``forward`` (token and completion times); defaults to the
+                clock now (``tick()`` reads it before calling, so a failing clock changes nothing).
 
         Returns:
             The requests finished in this iteration, in batch order.
         """
-        now = self.clock()
+        now = self.clock() if now_s is None else now_s
         start_s = now if iteration_start_s is None else iteration_start_s
         pool = self.pool
         tick_no = self.stats.ticks
