@@ -91,3 +91,51 @@ def test_a_clock_that_raises_after_forward_rolls_the_tick_back(fail_on):
     done = drain(s)
     assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
     assert s.pool.num_used == 0 and not s.has_active()
+
+
+def _fit(m: LatencyModel) -> None:
+    """Observations of 5 ms + 1 ms per request + 10 us per token, varied enough to identify the fit."""
+    for i in range(40):
+        n, t = 1 + i % 7, 1 + (i * 13) % 50
+        m.observe(n, t, 0.005 + 0.001 * n + 0.00001 * t)
+
+
+@pytest.mark.parametrize("duration_s", [math.inf, -math.inf, math.nan, -1.0])
+def test_a_non_finite_iteration_duration_does_not_poison_the_latency_model(duration_s):
+    m = LatencyModel()
+    _fit(m)
+    want = m.predict_us(8, 40)
+    assert want == pytest.approx(5000 + 8000 + 400, abs=5)
+    m.observe(3, 3, duration_s)
+    assert m.predict_us(8, 40) == want
+
+
+def test_an_infinite_clock_reading_after_forward_leaves_the_learned_latency_model_intact():
+    """On the simulated GPU (5 ms + 1 ms per request, virtual clock) the scheduler's model still
+    predicts the stub's latency after one tick whose end reads ``inf``."""
+    vc = VirtualClock()
+    gpu = SimulatedGPU(clock=vc, seed=0, eos_probability=0.0)
+    state = {"arm": False, "inf": False}
+
+    def clock() -> float:
+        if state["inf"]:
+            state["inf"] = False
+            return math.inf
+        return vc.now()
+
+    def forward(batch):
+        out = gpu.forward(batch)
+        state["inf"], state["arm"] = state["arm"], False  # the tick's reading right after forward
+        return out
+
+    s = Scheduler(backend=forward, clock=clock)
+    for i in range(30):  # batches of varied size and tokens identify the fit
+        s.submit(make_req(f"a{i}", user="A", n_prompt=10 + 7 * i, max_tokens=300))
+        s.tick()
+    for _ in range(30):
+        s.tick()
+    model = s.isolation.model
+    assert model.ready and model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
+    state["arm"] = True
+    s.tick()
+    assert model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
