@@ -139,3 +139,22 @@ def test_an_infinite_clock_reading_after_forward_leaves_the_learned_latency_mode
     state["arm"] = True
     s.tick()
     assert model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
+
+
+def test_a_model_without_an_eos_id_does_not_stop_on_token_zero():
+    torch = pytest.importorskip("torch", reason="needs the 'model' extra")
+    pytest.importorskip("transformers", reason="needs the 'model' extra")
+    from model_backend import ModelBackend, tiny_llama
+
+    torch.set_num_threads(1)
+    model = tiny_llama(seed=0, eos_token_id=None)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit ties at 0: greedy answers token 0 every time
+    backend = ModelBackend(model, num_blocks=8, block_tokens=4)
+    assert backend.eos_token_id is None
+    s = backend.make_scheduler(clock=StepClock())
+    r = make_req("r0", n_prompt=5, max_tokens=6)
+    s.submit(r)
+    drain(s)
+    assert r.generated == [0] * 6
+    assert s.metrics()["finish_reasons"] == {"length": 1}
