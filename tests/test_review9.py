@@ -93,6 +93,19 @@ def test_a_clock_that_raises_after_forward_rolls_the_tick_back(fail_on):
     assert s.pool.num_used == 0 and not s.has_active()
 
 
+@pytest.mark.parametrize("clock", ["backwards", "nan"])
+def test_a_clock_that_goes_back_or_reads_nan_loses_nothing(clock):
+    """Admission, aging and preemption count ticks, not seconds: every request still finishes
+    and no block leaks; only the latency figures are meaningless."""
+    readings = iter(range(10**9))
+    read = {"backwards": lambda: 1000.0 - next(readings) * 0.001, "nan": lambda: math.nan}[clock]
+    s = Scheduler(backend=ScriptedBackend(), clock=read, kv_cap_blocks=16)
+    for i in range(24):
+        s.submit(make_req(f"r{i}", user=f"u{i % 3}", n_prompt=20 + 9 * i, max_tokens=30))
+    assert len(drain(s)) == 24
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
 def _fit(m: LatencyModel) -> None:
     """Observations of 5 ms + 1 ms per request + 10 us per token, varied enough to identify the fit."""
     for i in range(40):
