@@ -357,6 +357,7 @@ class Scheduler:
         self._inflight: tuple[SchedulePlan, int] | None = None  # (plan, ticking thread) while forward runs
         self._last_tick: tuple[SchedulePlan | None, list[Request], str | None] = (None, [], None)
         self._pending_aborts: list[_Seq] = []  # aborts of in-flight requests, applied when the tick ends
+        self._tick_end_s: float | None = None  # tick()'s clock reading after forward, for update_from_output
         self._tick_done = threading.Condition(self._lock)  # notified when pending aborts were applied
 
     # ------------------------------------------------------------ the contract
@@ -460,13 +461,13 @@ class Scheduler:
                     return self._on_backend_failure(plan, e)
             with self._lock:
                 try:  # read before any change: a clock that raises here leaves the tick undone too
-                    now_s = self.clock()
+                    self._tick_end_s = self.clock()  # update_from_output's "now"
                 except BaseException:
                     self._rollback_blocks(journal)
                     self._end_inflight()
                     raise
                 self._backend_failures = 0
-                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s, now_s=now_s)
+                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
                 self._last_tick = (plan, finished, None)
                 try:
                     if self._checker is not None:  # before deferred aborts apply: the plan's own outcome
@@ -787,7 +788,7 @@ class Scheduler:
             seq.block_table = before
 
     def update_from_output(self, plan: SchedulePlan, tokens: Sequence[int], *,
-                           iteration_start_s: float | None = None, now_s: float | None = None) -> list[Request]:
+                           iteration_start_s: float | None = None) -> list[Request]:
         """Apply a plan whose iteration returned ``tokens`` (one per ``plan.batch`` entry).
 
         Expects ``_commit_blocks(plan)`` to have run (``tick()`` does both). Moves the
@@ -802,13 +803,14 @@ class Scheduler:
             tokens: ``len(plan.batch)`` token ids from ``forward``.
             iteration_start_s: clock reading before ``forward`` (admission time for queue-time
                 metrics); defaults to the clock now.
-            now_s: clock reading after ``forward`` (token and completion times); defaults to the
-                clock now (``tick()`` reads it before calling, so a failing clock changes nothing).
+
+        Token and completion times are the clock now, or the reading ``tick()`` took right
+        before calling (so that a clock that raises there leaves the tick undone).
 
         Returns:
             The requests finished in this iteration, in batch order.
         """
-        now = self.clock() if now_s is None else now_s
+        now, self._tick_end_s = (self.clock() if self._tick_end_s is None else self._tick_end_s), None
         start_s = now if iteration_start_s is None else iteration_start_s
         pool = self.pool
         tick_no = self.stats.ticks
