@@ -24,6 +24,7 @@ latency, the same rule stops isolating when it would not pay.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
@@ -79,8 +80,12 @@ class LatencyModel:
         self._coef: tuple[float, float, float] | None = None
 
     def observe(self, n_requests: int, n_tokens: int, duration_s: float) -> None:
-        """Record one iteration of ``n_requests`` requests and ``n_tokens`` tokens taking ``duration_s``."""
-        if n_requests <= 0 or not duration_s >= 0.0:
+        """Record one iteration of ``n_requests`` requests and ``n_tokens`` tokens taking ``duration_s``.
+
+        A duration that is negative (a clock that went back), NaN or infinite is ignored: one
+        infinite duration would turn the fit into NaN for good.
+        """
+        if n_requests <= 0 or not 0.0 <= duration_s < math.inf:
             return
         f = self.forgetting
         s, v = self._s, self._v

@@ -256,12 +256,13 @@ class ModelBackend:
     def scheduler_kwargs(self) -> dict[str, Any]:
         """Keyword arguments that make a ``Scheduler`` match this backend.
 
-        ``backend`` (this object), ``kv_cap_blocks``, ``block_tokens``, ``eos_token_id`` and
-        ``vocab_size``. Pass them with ``Scheduler(**backend.scheduler_kwargs(), ...)`` and then
+        ``backend`` (this object), ``kv_cap_blocks``, ``block_tokens``, ``eos_token_id`` (-1,
+        which never matches, for a model without one: ``None`` would mean the stub's EOS, token
+        0) and ``vocab_size``. Pass them with ``Scheduler(**backend.scheduler_kwargs(), ...)`` and then
         call ``attach`` on the scheduler.
         """
         return {"backend": self, "kv_cap_blocks": self.num_blocks, "block_tokens": self.block_tokens,
-                "eos_token_id": self.eos_token_id, "vocab_size": self.vocab_size}
+                "eos_token_id": -1 if self.eos_token_id is None else self.eos_token_id, "vocab_size": self.vocab_size}
 
     def make_scheduler(self, **kwargs: Any) -> Scheduler:
         """A ``Scheduler`` wired to this backend (``scheduler_kwargs``, then ``attach``).

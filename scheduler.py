@@ -357,6 +357,7 @@ class Scheduler:
         self._inflight: tuple[SchedulePlan, int] | None = None  # (plan, ticking thread) while forward runs
         self._last_tick: tuple[SchedulePlan | None, list[Request], str | None] = (None, [], None)
         self._pending_aborts: list[_Seq] = []  # aborts of in-flight requests, applied when the tick ends
+        self._tick_end_s: float | None = None  # tick()'s clock reading after forward, for update_from_output
         self._tick_done = threading.Condition(self._lock)  # notified when pending aborts were applied
 
     # ------------------------------------------------------------ the contract
@@ -427,6 +428,8 @@ class Scheduler:
                 tick (a scheduler bug; the tick was applied).
             BaseException: one that is not an ``Exception`` (``KeyboardInterrupt``) raised
                 inside ``forward`` is re-raised as it is, after the same rollback.
+            Exception: whatever the clock raises when it is read after ``forward``, re-raised
+                as it is after the same rollback (the tick is undone; ``tick()`` retries it).
         """
         with self._tick_lock:
             with self._lock:
@@ -457,6 +460,12 @@ class Scheduler:
                         raise
                     return self._on_backend_failure(plan, e)
             with self._lock:
+                try:  # read before any change: a clock that raises here leaves the tick undone too
+                    self._tick_end_s = self.clock()  # update_from_output's "now"
+                except BaseException:
+                    self._rollback_blocks(journal)
+                    self._end_inflight()
+                    raise
                 self._backend_failures = 0
                 finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
                 self._last_tick = (plan, finished, None)
@@ -795,10 +804,13 @@ class Scheduler:
             iteration_start_s: clock reading before ``forward`` (admission time for queue-time
                 metrics); defaults to the clock now.
 
+        Token and completion times are the clock now, or the reading ``tick()`` took right
+        before calling (so that a clock that raises there leaves the tick undone).
+
         Returns:
             The requests finished in this iteration, in batch order.
         """
-        now = self.clock()
+        now, self._tick_end_s = (self.clock() if self._tick_end_s is None else self._tick_end_s), None
         start_s = now if iteration_start_s is None else iteration_start_s
         pool = self.pool
         tick_no = self.stats.ticks
