@@ -430,6 +430,9 @@ class Scheduler:
                 inside ``forward`` is re-raised as it is, after the same rollback.
             Exception: whatever the clock raises when it is read after ``forward``, re-raised
                 as it is after the same rollback (the tick is undone; ``tick()`` retries it).
+                If it raises later, when the aborts deferred to the end of the tick are applied,
+                the tick was applied: ``last_finished`` lists what it finished, and the aborts
+                are applied (completed at the request's last known time) and their callers woken.
         """
         with self._tick_lock:
             with self._lock:
@@ -933,12 +936,26 @@ class Scheduler:
         """
         self._inflight = None
         if self._pending_aborts:
-            now = self.clock()
+            try:
+                now_s, err = self.clock(), None
+            except Exception as e:  # the aborts still apply and their callers wake; re-raised after
+                now_s, err = None, e
             for seq in self._pending_aborts:
                 if self._by_obj.get(id(seq.req)) is seq:
-                    self._retire(seq, "abort", now)
+                    self._retire(seq, "abort", now_s if err is None else self._last_event_s(seq))
             self._pending_aborts.clear()
             self._tick_done.notify_all()
+            if err is not None:
+                raise err
+
+    @staticmethod
+    def _last_event_s(seq: _Seq) -> float:
+        """The latest clock reading known for ``seq`` (last token, admission or submit), seconds:
+        the completion time of an abort applied when the clock could not be read."""
+        for t in (seq.last_token_s, seq.admitted_s):
+            if t is not None:
+                return t
+        return seq.req.submitted_at
 
     def _on_backend_failure(self, plan: SchedulePlan, e: Exception) -> list[Request]:
         """After a rolled-back tick: raise ``BackendError``, or fail the batch (``max_backend_tries``)."""
@@ -1080,6 +1097,12 @@ class Scheduler:
         prompt = request.prompt
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise InvalidRequestError("prompt must be a non-empty list of token ids")
+        n = len(prompt)  # the length first: a huge prompt is refused without reading its tokens
+        if not rules.prompt_fits(n, self.kv_cap_blocks, self.block_tokens):
+            raise PromptTooLongError(
+                f"prompt of {n} tokens needs {rules.blocks_needed(n, self.block_tokens)} KV blocks of "
+                f"{self.block_tokens} tokens with its first output token, but the cache holds "
+                f"{self.kv_cap_blocks} blocks (prompt must be < {self.max_model_len_tokens} tokens)")
         hi = self.vocab_size
         for t in prompt:
             if (type(t) is not int and not _is_int(t)) or t < 0 or (hi is not None and t >= hi):
@@ -1087,12 +1110,6 @@ class Scheduler:
                     f"prompt token ids must be ints in 0..{'' if hi is None else hi - 1}, got {t!r}")
         if not isinstance(request.generated, list) or request.generated:
             raise InvalidRequestError("generated must be an empty list at submit")
-        n = len(prompt)
-        if not rules.prompt_fits(n, self.kv_cap_blocks, self.block_tokens):
-            raise PromptTooLongError(
-                f"prompt of {n} tokens needs {rules.blocks_needed(n, self.block_tokens)} KV blocks of "
-                f"{self.block_tokens} tokens with its first output token, but the cache holds "
-                f"{self.kv_cap_blocks} blocks (prompt must be < {self.max_model_len_tokens} tokens)")
         if type(mt) is not int:  # np.int64 and the like: a plain int from here on (same value)
             request.max_tokens = int(mt)
         return n

@@ -9,6 +9,10 @@
    TTFT isolation was judged to pay (0 >= 1.5 x 0) whatever it costs on the backend.
 3. ``ModelBackend`` for a model without an EOS id gave the scheduler ``eos_token_id=None``,
    which means the stub's EOS (token 0): the model's token 0 then ended every request.
+4. A clock that raised when the aborts deferred to the end of a tick were retired left them
+   unapplied and their ``abort`` calls waiting for good.
+5. ``submit`` read every token id of a prompt before checking its length: refusing a
+   10M-token prompt took about a second (and named a bad token id rather than the length).
 """
 from __future__ import annotations
 
@@ -171,3 +175,80 @@ def test_a_model_without_an_eos_id_does_not_stop_on_token_zero():
     drain(s)
     assert r.generated == [0] * 6
     assert s.metrics()["finish_reasons"] == {"length": 1}
+
+
+class _AbortDuringForward(ScriptedBackend):
+    """Answers like ``ScriptedBackend``; on its ``at``-th call another thread aborts ``victim``
+    while the batch is being computed (the abort is deferred to the end of the tick), and the
+    clock is armed to raise on its second reading after ``forward``: the one that retires the
+    deferred aborts (the first is the tick's own reading)."""
+
+    def __init__(self, scheduler_box: list, clock: "CountdownClock", victim: str, at: int) -> None:
+        super().__init__()
+        self.box, self.clock, self.victim, self.at = scheduler_box, clock, victim, at
+        self.aborted: list = []
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, batch):
+        out = super().__call__(batch)
+        if len(self.batches) == self.at:
+            s = self.box[0]
+            self.thread = threading.Thread(target=lambda: self.aborted.append(s.abort(self.victim)), daemon=True)
+            self.thread.start()
+            for _ in range(500):  # until the abort is registered as deferred
+                if s._pending_aborts:
+                    break
+                threading.Event().wait(0.01)
+            assert s._pending_aborts, "the abort was not deferred"
+            self.clock.fail_at = 2
+        return out
+
+
+class CountdownClock(StepClock):
+    """A ``StepClock`` whose ``fail_at``-th reading from now raises (once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at = 0
+
+    def __call__(self) -> float:
+        if self.fail_at:
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise OSError("clock read failed")
+        return super().__call__()
+
+
+def test_a_clock_that_raises_while_deferred_aborts_are_applied_still_applies_them():
+    """Before: the tick's deferred aborts were never applied and the ``abort`` call waited for good."""
+    clock = CountdownClock()
+    box: list = []
+    backend = _AbortDuringForward(box, clock, victim="r1", at=2)
+    s = Scheduler(backend=backend, clock=clock, kv_cap_blocks=16, block_tokens=4, policy=FCFSPolicy())
+    box.append(s)
+    for i in range(3):
+        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=2 + 3 * i))  # r0 finishes on tick 2
+    s.tick()
+    with pytest.raises(OSError, match="clock read failed"):
+        s.tick()
+    backend.thread.join(5)
+    assert not backend.thread.is_alive(), "the abort call still waits on a tick that is over"
+    assert [r.request_id for r in backend.aborted] == ["r1"]
+    assert [(r.request_id, why) for r, why in s.last_finished] == [("r0", "length")]  # the tick was applied
+    r1 = backend.aborted[0]
+    assert r1.completed_at is not None and r1.completed_at >= r1.submitted_at
+    s.check_integrity()
+    assert [r.request_id for r in drain(s)] == ["r2"]
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
+def test_a_prompt_over_the_cap_is_refused_for_its_length_before_its_tokens_are_read():
+    """A 10M-token prompt took about a second to refuse: every token was checked first."""
+    from scheduler import PromptTooLongError
+
+    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=4, block_tokens=4)
+    r = make_req("big", n_prompt=40, max_tokens=2)
+    r.prompt[-1] = -1  # an invalid id at the end: the length check must come first
+    with pytest.raises(PromptTooLongError):
+        s.submit(r)
+    assert not s.has_active()
