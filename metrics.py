@@ -127,7 +127,9 @@ class MetricsRecorder:
                 self.tpot_s.append((completed_s - first_token_s) / (output_tokens - 1))
 
     def summary(self, *, kv_blocks_in_use: int, kv_cap_blocks: int, waiting: int, running: int) -> dict[str, Any]:
-        """All metrics as a dict; every value a finite number (zeros before anything finished).
+        """All metrics as a dict; every value a finite number (zeros before anything finished)
+        while the clock reads finite, non-decreasing seconds. A clock that reads NaN or goes back
+        makes the latency and throughput figures NaN or negative (``docs/reliability.md``).
 
         Keys: the contract's four, then ``requests_finished``, ``output_tokens``,
         ``duration_s``, ``ttft_{mean,p50,p99}_s``, ``tpot_{mean,p50,p99}_s``,
