@@ -210,3 +210,15 @@ def test_ttft_search_keeps_nothing_when_no_order_is_within_the_limit(monkeypatch
     _fake_search(monkeypatch, lambda inv: 3.0)  # every order's largest TTFT is 1.5x the best p99
     lines = bt.ttft_search(steps=20, seed=0)
     assert all(f == 0.0 for f in _figures(lines[2:-1])), "an order over the limit was kept"
+
+
+@pytest.mark.parametrize("beta_s, want", [(0.0, ["a", "b", "c"]),  # arrival order
+                                          (0.004, ["b", "a", "c"]),  # b's 45 more iterations outweigh 0.1 s
+                                          (1.0, ["b", "c", "a"])])  # longest first
+def test_aged_lpt_orders_each_users_queue_by_arrival_minus_beta_per_remaining_iteration(beta_s, want):
+    now = {"s": 0.0}
+    s = Scheduler(backend=ScriptedBackend(), clock=lambda: now["s"], policy=bt.AgedLPT(beta_s, prefill_chunk_tokens=64))
+    for rid, at_s, max_tokens in (("a", 0.0, 5), ("b", 0.1, 50), ("c", 0.2, 20)):  # 1 prompt chunk each
+        now["s"] = at_s
+        s.submit(make_req(rid, n_prompt=10, max_tokens=max_tokens))
+    assert [q.request_id for q in s.policy.admission_order()] == want
