@@ -431,8 +431,12 @@ class Scheduler:
             Exception: whatever the clock raises when it is read after ``forward``, re-raised
                 as it is after the same rollback (the tick is undone; ``tick()`` retries it).
                 If it raises later, when the aborts deferred to the end of the tick are applied,
-                the tick was applied: ``last_finished`` lists what it finished, and the aborts
-                are applied (completed at the request's last known time) and their callers woken.
+                the aborts are applied (completed at the request's last known time) and their
+                callers woken; the tick was applied (``last_finished`` lists what it finished),
+                or rolled back if ``forward`` had failed (the clock's exception then replaces
+                the ``BackendError``).
+            Exception: whatever an override of ``update_from_output`` raises, as it is; the
+                tick is no longer in flight and its deferred aborts are applied.
         """
         with self._tick_lock:
             with self._lock:
@@ -470,12 +474,13 @@ class Scheduler:
                     self._end_inflight()
                     raise
                 self._backend_failures = 0
-                finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
-                self._last_tick = (plan, finished, None)
-                try:
+                try:  # even if update_from_output raises (an override, a bug): no tick stays in flight
+                    finished = self.update_from_output(plan, tokens, iteration_start_s=start_s)
+                    self._last_tick = (plan, finished, None)
                     if self._checker is not None:  # before deferred aborts apply: the plan's own outcome
                         self._checker.after_tick(self, plan, finished)
                 finally:
+                    self._tick_end_s = None  # unread if an override skipped the base: not left for a later call
                     self._end_inflight()
                 return finished
 
@@ -932,13 +937,15 @@ class Scheduler:
         """The in-flight tick is over (applied or rolled back): retire the aborts deferred to its end.
 
         Expects the state lock held. Requests the tick finished are left alone (``tick()``
-        returns them); the waiting ``abort`` calls are woken.
+        returns them); the waiting ``abort`` calls are woken. If the clock raises (anything,
+        ``KeyboardInterrupt`` included), the aborts are retired at each request's last known
+        time (``_last_event_s``) and the callers woken before the exception is re-raised.
         """
         self._inflight = None
         if self._pending_aborts:
             try:
                 now_s, err = self.clock(), None
-            except Exception as e:  # the aborts still apply and their callers wake; re-raised after
+            except BaseException as e:  # the aborts still apply and their callers wake; re-raised after
                 now_s, err = None, e
             for seq in self._pending_aborts:
                 if self._by_obj.get(id(seq.req)) is seq:

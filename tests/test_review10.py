@@ -1,0 +1,224 @@
+"""Review 10: defects found in review 9's scheduler fixes and in ``bench_throughput.py --only
+ttft`` (each scheduler test failed before its fix; the bench tests pin the bookkeeping that the
+end-to-end tests in ``test_bench.py`` could not tell apart).
+
+1. ``update_from_output`` raising inside ``tick()`` (a subclass's override, or a bug) left the
+   tick in flight for good: an ``abort`` of a request of its batch from another thread waited
+   until some later tick ended, and one from the ticking thread raised "from inside forward".
+2. A clock raising a non-``Exception`` (``KeyboardInterrupt``) when the aborts deferred to the
+   end of a tick were retired left them unapplied and their ``abort`` calls waiting.
+3. A ``tick()`` whose ``update_from_output`` override did not call the base class left its
+   after-forward clock reading behind: a later direct call of ``Scheduler.update_from_output``
+   stamped its tokens and completions with that stale time.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import ScriptedBackend, StepClock, make_req
+
+import bench
+import bench_throughput as bt
+import policy
+from policy import FCFSPolicy
+from scheduler import Scheduler
+from test_review9 import CountdownClock, _AbortDuringForward
+
+
+def _abort_in_thread(s: Scheduler, rid: str) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(s.abort(rid)), daemon=True)
+    t.start()
+    return t, out
+
+
+class _RaisesInUpdate(Scheduler):
+    """Its ``update_from_output`` raises once when ``fail`` is set (before applying anything)."""
+
+    fail = False
+
+    def update_from_output(self, plan, tokens, *, iteration_start_s=None):
+        if self.fail:
+            self.fail = False
+            raise ValueError("override failed")
+        return super().update_from_output(plan, tokens, iteration_start_s=iteration_start_s)
+
+
+def test_update_from_output_raising_inside_tick_leaves_no_tick_in_flight():
+    s = _RaisesInUpdate(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=16, block_tokens=4,
+                        policy=FCFSPolicy())
+    for i in range(2):
+        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=4))
+    s.tick()
+    s.fail = True
+    with pytest.raises(ValueError, match="override failed"):
+        s.tick()
+    assert s._inflight is None, "the failed tick is still marked in flight"
+    assert s.abort("r0").request_id == "r0"  # the ticking thread: no "from inside forward" error
+    t, out = _abort_in_thread(s, "r1")
+    t.join(5)
+    assert not t.is_alive() and out and out[0].request_id == "r1", "abort waited on a tick that is over"
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
+class _InterruptClock(CountdownClock):
+    def __call__(self) -> float:
+        try:
+            return super().__call__()
+        except OSError:
+            raise KeyboardInterrupt from None
+
+
+def test_a_clock_raising_keyboard_interrupt_while_deferred_aborts_are_applied_still_applies_them():
+    clock = _InterruptClock()
+    box: list = []
+    backend = _AbortDuringForward(box, clock, victim="r1", at=2)
+    s = Scheduler(backend=backend, clock=clock, kv_cap_blocks=16, block_tokens=4, policy=FCFSPolicy())
+    box.append(s)
+    for i in range(3):
+        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=2 + 3 * i))
+    s.tick()
+    with pytest.raises(KeyboardInterrupt):
+        s.tick()
+    backend.thread.join(5)
+    assert not backend.thread.is_alive(), "the abort call still waits on a tick that is over"
+    assert [r.request_id for r in backend.aborted] == ["r1"]
+    s.check_integrity()
+
+
+class _SkipsBase(Scheduler):
+    """Its ``update_from_output`` applies nothing when ``skip`` is set (a subclass that replays
+    the output later by calling ``Scheduler.update_from_output`` itself)."""
+
+    skip = False
+
+    def update_from_output(self, plan, tokens, *, iteration_start_s=None):
+        if self.skip:
+            return []
+        return super().update_from_output(plan, tokens, iteration_start_s=iteration_start_s)
+
+
+def test_a_tick_whose_override_skips_the_base_leaves_no_stale_clock_reading_behind():
+    clock = StepClock(dt_s=1.0)
+    s = _SkipsBase(backend=ScriptedBackend(), clock=clock, kv_cap_blocks=16, block_tokens=4, policy=FCFSPolicy(),
+                   check_invariants=False)  # the skipping tick leaves r0's blocks granted until the replay
+    r = make_req("r0", n_prompt=4, max_tokens=1)
+    s.submit(r)
+    s.skip = True
+    s.tick()  # schedules and commits r0's blocks, reads the clock after forward, applies nothing
+    plan = s._last_tick[0]
+    t_before = clock.t
+    Scheduler.update_from_output(s, plan, [5])  # the subclass replays the output itself, later
+    assert r.completed_at is not None and r.completed_at > t_before, "stamped with the old tick's clock reading"
+
+
+# ------------------------------------------------------------------ bench_throughput --only ttft
+
+class _FakeCell:
+    def __init__(self, frac: float, ttft_s: np.ndarray, p99_s: float) -> None:
+        self.frac, self.ttft_s, self.metrics = frac, ttft_s, {"ttft_p99_s": p99_s}
+
+
+#: Batch on each fake seed of ``drain_frontier``: (fraction of the bound, TTFT p99 / best baseline's).
+_SEEDS = [(0.90, 1.00), (0.96, 1.05), (0.96, 1.20), (0.94, 1.00), (0.97, 1.08), (0.99, 1.30)]
+
+
+def _fake_bench(monkeypatch, run_cell) -> None:
+    monkeypatch.setattr(bench, "run_cell", run_cell)
+    monkeypatch.setattr(bench, "throughput_upper_bound", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "fraction", lambda c, b: c.frac)
+
+
+def _frontier_cell(w, name, **_):
+    seed = w.build()
+    if name in bench.BASELINES:  # the best baseline's TTFT p99 is 2 s on every seed
+        return _FakeCell(0.0, np.zeros(1), 2.0 + list(bench.BASELINES).index(name))
+    frac, ratio = _SEEDS[seed]
+    return _FakeCell(frac, np.zeros(1), 2.0 * ratio)
+
+
+def test_drain_frontier_reads_the_published_seed_the_best_baseline_and_both_goals(monkeypatch):
+    monkeypatch.setattr(bt, "_seed_cases", lambda n, names: [("ab-burst", lambda s=s: s) for s in range(n)])
+    _fake_bench(monkeypatch, _frontier_cell)
+    monkeypatch.setattr(bt, "FRONTIER_SHARES", (policy.DRAIN_SHARE,))
+    monkeypatch.setattr(bt, "FRONTIER_PASSES", (policy.MAX_DRAIN_PASSES,))
+    monkeypatch.setattr(bt, "AGED_LPT_BETAS_S", ())
+    assert bt._workload("ab-burst").seed == 4
+    row = [c.strip() for c in bt.drain_frontier(n_seeds=6)[2].split("|")[1:-1]]
+    assert row[2:] == ["0.9533", "1.105x", "1.30x", "0.970 at 1.08x", "2 of 6"]
+
+
+def test_drain_frontier_restores_the_drain_settings_and_the_policy_table_when_a_run_raises(monkeypatch):
+    shipped = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
+    monkeypatch.setattr(bt, "_seed_cases", lambda n, names: [("ab-burst", lambda: 0)])
+
+    def raising(w, name, **kw):
+        if name in bench.BASELINES:
+            return _frontier_cell(w, name)
+        raise RuntimeError("run failed")
+
+    _fake_bench(monkeypatch, raising)
+    monkeypatch.setattr(bt, "FRONTIER_SHARES", ((2, 1),))
+    with pytest.raises(RuntimeError, match="run failed"):
+        bt.drain_frontier(n_seeds=1)
+    assert (policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES) == shipped
+    monkeypatch.setattr(bt, "FRONTIER_SHARES", ())
+    with pytest.raises(RuntimeError, match="run failed"):
+        bt.drain_frontier(n_seeds=1)
+    assert "aged" not in bench.POLICIES
+
+
+def _search_cell(outlier_s):
+    """A fake ``run_cell`` for ``ttft_search`` on 12 requests: the fraction rises with the
+    inversions of the order (0.9 in arrival order, 1.0 reversed), the TTFT p99 is 2 s always,
+    and one request's TTFT is ``outlier_s(share of inversions)``. Best baseline's p99: 2 s."""
+    def run_cell(w, name, requests=None, **_):
+        if name in bench.BASELINES:
+            return _FakeCell(0.0, np.zeros(1), 2.0)
+        rank = bench.POLICIES[name]()
+        order = [int(rid[1:]) for rid in sorted(rank, key=rank.get)]
+        inv = sum(a > b for i, a in enumerate(order) for b in order[i + 1:]) / (len(order) * (len(order) - 1) / 2)
+        return _FakeCell(0.9 + 0.1 * inv, np.array([1.0, outlier_s(inv)]), 2.0)
+    return run_cell
+
+
+def _fake_search(monkeypatch, outlier_s) -> None:
+    w = bt.replace(bt._workload("ab-burst"), build=lambda: [make_req(f"r{i}") for i in range(12)])
+    monkeypatch.setattr(bt, "_workload", lambda name: w)
+    monkeypatch.setattr(bt, "_RankedPolicy", lambda known, rank, backfill: rank)
+    monkeypatch.setattr(bt, "Scheduler", lambda policy, **kw: policy)
+    _fake_bench(monkeypatch, _search_cell(outlier_s))
+
+
+def _figures(lines: list[str]) -> list[float]:
+    return [float(line.split("|")[3].split(",")[0]) for line in lines]
+
+
+def test_ttft_search_bounds_the_largest_ttft_not_the_p99(monkeypatch):
+    # The largest TTFT passes the limit (2.2 s) beyond a third of the inversions; the p99 never does.
+    _fake_search(monkeypatch, lambda inv: 2.0 + 0.6 * inv)
+    lines = bt.ttft_search(steps=60, seed=0)
+    final = lines[-1]
+    largest = float(final.split("largest TTFT ")[1].split("x")[0])
+    assert largest <= 1.10
+    assert _figures(lines[2:]) == sorted(_figures(lines[2:])) and _figures(lines[-1:])[0] > 0.9
+
+
+def test_ttft_search_keeps_nothing_when_no_order_is_within_the_limit(monkeypatch):
+    _fake_search(monkeypatch, lambda inv: 3.0)  # every order's largest TTFT is 1.5x the best p99
+    lines = bt.ttft_search(steps=20, seed=0)
+    assert all(f == 0.0 for f in _figures(lines[2:-1])), "an order over the limit was kept"
+
+
+@pytest.mark.parametrize("beta_s, want", [(0.0, ["a", "b", "c"]),  # arrival order
+                                          (0.004, ["b", "a", "c"]),  # b's 45 more iterations outweigh 0.1 s
+                                          (1.0, ["b", "c", "a"])])  # longest first
+def test_aged_lpt_orders_each_users_queue_by_arrival_minus_beta_per_remaining_iteration(beta_s, want):
+    now = {"s": 0.0}
+    s = Scheduler(backend=ScriptedBackend(), clock=lambda: now["s"], policy=bt.AgedLPT(beta_s, prefill_chunk_tokens=64))
+    for rid, at_s, max_tokens in (("a", 0.0, 5), ("b", 0.1, 50), ("c", 0.2, 20)):  # 1 prompt chunk each
+        now["s"] = at_s
+        s.submit(make_req(rid, n_prompt=10, max_tokens=max_tokens))
+    assert [q.request_id for q in s.policy.admission_order()] == want
