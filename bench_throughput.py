@@ -1,7 +1,7 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench_throughput.py                # every experiment (about 16 minutes on 2 cores)
+    python bench_throughput.py                # every experiment (about 15 minutes on 2 cores)
     python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
     python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
                                               # victims, backfill, easy, idle, resume, drain, search or ttft
