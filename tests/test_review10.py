@@ -6,7 +6,8 @@ end-to-end tests in ``test_bench.py`` could not tell apart).
    tick in flight for good: an ``abort`` of a request of its batch from another thread waited
    until some later tick ended, and one from the ticking thread raised "from inside forward".
 2. A clock raising a non-``Exception`` (``KeyboardInterrupt``) when the aborts deferred to the
-   end of a tick were retired left them unapplied and their ``abort`` calls waiting.
+   end of a tick were retired left them unapplied and their ``abort`` calls waiting (the test
+   is a case of ``test_review9.py``'s deferred-abort test).
 3. A ``tick()`` whose ``update_from_output`` override did not call the base class left its
    after-forward clock reading behind: a later direct call of ``Scheduler.update_from_output``
    stamped its tokens and completions with that stale time.
@@ -24,7 +25,6 @@ import bench_throughput as bt
 import policy
 from policy import FCFSPolicy
 from scheduler import Scheduler
-from test_review9 import CountdownClock, _AbortDuringForward
 
 
 def _abort_in_thread(s: Scheduler, rid: str) -> tuple[threading.Thread, list]:
@@ -61,31 +61,6 @@ def test_update_from_output_raising_inside_tick_leaves_no_tick_in_flight():
     t.join(5)
     assert not t.is_alive() and out and out[0].request_id == "r1", "abort waited on a tick that is over"
     assert s.pool.num_used == 0 and not s.has_active()
-
-
-class _InterruptClock(CountdownClock):
-    def __call__(self) -> float:
-        try:
-            return super().__call__()
-        except OSError:
-            raise KeyboardInterrupt from None
-
-
-def test_a_clock_raising_keyboard_interrupt_while_deferred_aborts_are_applied_still_applies_them():
-    clock = _InterruptClock()
-    box: list = []
-    backend = _AbortDuringForward(box, clock, victim="r1", at=2)
-    s = Scheduler(backend=backend, clock=clock, kv_cap_blocks=16, block_tokens=4, policy=FCFSPolicy())
-    box.append(s)
-    for i in range(3):
-        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=2 + 3 * i))
-    s.tick()
-    with pytest.raises(KeyboardInterrupt):
-        s.tick()
-    backend.thread.join(5)
-    assert not backend.thread.is_alive(), "the abort call still waits on a tick that is over"
-    assert [r.request_id for r in backend.aborted] == ["r1"]
-    s.check_integrity()
 
 
 class _SkipsBase(Scheduler):
