@@ -48,7 +48,8 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   longest remaining work first, keeping each change that does not lower the fraction of the
   bound. A lower limit on what a schedule can reach, not a policy.
 * ``ttft``: on the A/B burst, where throughput and TTFT p99 pull apart: every drain share x
-  pass cap over 8 seeds (how many seeds meet both goals), then the same local search as
+  pass cap, and the ``AgedLPT`` rule at four settings, over 8 seeds (how many seeds meet both
+  goals), then the same local search as
   ``search`` from arrival order, keeping only orders whose largest TTFT stays within the goal's
   10% over the best baseline's TTFT p99: over all positions, and over the last 30 only.
 """
@@ -707,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("== local search over admission orders (fraction of the bound) ==", *order_search(), sep="\n",
               flush=True)
     if "ttft" in todo:
-        print("== the A/B burst: drain settings over seeds, and an order search within the TTFT limit ==",
+        print("== the A/B burst: online rules over seeds, and an order search within the TTFT limit ==",
               *drain_frontier(a.seeds), "", *ttft_search(), "", *ttft_search(last=30), sep="\n", flush=True)
     if "orders" in todo:
         print("== clairvoyant list rules: order x backfill (fraction of the bound, TTFT p99) ==",
