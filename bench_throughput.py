@@ -494,6 +494,21 @@ class _RankedPolicy(ClairvoyantPolicy):
     requeue = add
 
 
+def _ranked_cell(w: workloads.Workload, order: list[str], lengths: dict[str, int | None], *,
+                 backfill: bool) -> bench.Cell:
+    """One run of ``w`` (fresh requests) under ``_RankedPolicy`` with admission ``order``
+    (request ids, first admitted first); ``lengths``: request id -> true output tokens, for the
+    policy's length table (empty: the policy reads none)."""
+    reqs = w.build()
+    known = {id(r): n for r in reqs if (n := lengths.get(r.request_id)) is not None}
+    rank = {rid: i for i, rid in enumerate(order)}
+    bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy(known, rank, backfill=backfill), **kw)
+    try:
+        return bench.run_cell(w, "search", requests=reqs)
+    finally:
+        del bench.POLICIES["search"]
+
+
 def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0) -> list[str]:
     """Seeded local search over fixed admission orders on one workload (see ``search`` above):
     the fraction of the bound at the start (longest remaining work first, with and without
@@ -506,14 +521,7 @@ def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0
                        bench.output_lengths(base, kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)))
 
     def run(order: list[str], backfill: bool) -> tuple[float, float]:
-        reqs = w.build()
-        known = {id(r): lengths[r.request_id] for r in reqs if lengths[r.request_id] is not None}
-        rank = {rid: i for i, rid in enumerate(order)}
-        bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy(known, rank, backfill=backfill), **kw)
-        try:
-            c = bench.run_cell(w, "search", requests=reqs)
-        finally:
-            del bench.POLICIES["search"]
+        c = _ranked_cell(w, order, lengths, backfill=backfill)
         return bench.fraction(c, b), c.metrics["ttft_p99_s"]
 
     chunk = {r.request_id: -(-len(r.prompt) // bench.PREFILL_CHUNK_TOKENS) for r in base}
@@ -636,13 +644,7 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
     base = w.build()
 
     def run(order: list[str]) -> tuple[float, float, float]:
-        reqs = w.build()
-        rank = {rid: i for i, rid in enumerate(order)}
-        bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy({}, rank, backfill=True), **kw)
-        try:
-            c = bench.run_cell(w, "search", requests=reqs)
-        finally:
-            del bench.POLICIES["search"]
+        c = _ranked_cell(w, order, {}, backfill=True)
         return bench.fraction(c, b), float(c.ttft_s.max()), c.metrics["ttft_p99_s"]
 
     order = [r.request_id for r in base]  # arrival order
