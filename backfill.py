@@ -29,9 +29,9 @@ before an iteration a request holds its tokens plus one lookahead slot.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Sequence
 
 from spec import rules
 
@@ -105,16 +105,17 @@ class WorstCaseProfile:
     Args:
         cap_blocks: the KV cache, blocks. block_tokens: tokens per block.
 
-    Cost: ``shadow`` and ``admits`` are O(E * R) for R rows and E distinct finishing iterations
-    (numpy), computed only in a tick whose head does not fit.
+    Cost: plain Python with no first-call set-up (it runs on the first tick under KV pressure).
+    ``shadow`` sweeps the rows once, O(R log R + E * block_tokens) for R rows and E distinct
+    finishing iterations, cached until the next ``add``; ``admits`` adds O(R). Computed only in
+    a tick whose head does not fit.
     """
 
     def __init__(self, cap_blocks: int, block_tokens: int) -> None:
         self.cap_blocks = cap_blocks
         self.block_tokens = block_tokens
         self._rows: list[tuple[int, int, int, int]] = []
-        self._arrays: tuple[np.ndarray, ...] | None = None
-        self._steps: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._steps: tuple[list[int], list[int], list[int]] | None = None
 
     def add(self, tokens: int, prefill_iters: int, iters: int, held_blocks: int) -> None:
         """Add a resident request (or one admitted this tick).
@@ -125,7 +126,7 @@ class WorstCaseProfile:
                 tick's grant (its admission blocks, for one admitted this tick).
         """
         self._rows.append((tokens, prefill_iters, iters, held_blocks))
-        self._arrays = self._steps = None
+        self._steps = None
 
     @property
     def max_iters(self) -> int:
@@ -137,36 +138,72 @@ class WorstCaseProfile:
         resident count the head's admission headroom is computed from there."""
         return sum(1 for r in self._rows if r[2] > iteration)
 
-    def _cols(self) -> tuple[np.ndarray, ...]:
-        if self._arrays is None:
-            a = np.array(self._rows, dtype=np.int64).reshape(-1, 4)
-            self._arrays = (a[:, 0], a[:, 1], a[:, 2], a[:, 3])
-        return self._arrays
+    def _own_blocks(self, tokens: int, prefill_iters: int, held_blocks: int, k: int) -> int:
+        """Blocks a row that has not finished holds at iteration ``k``."""
+        known = tokens + (k - prefill_iters + 1 if k >= prefill_iters else 0)
+        need = rules.blocks_needed(known, self.block_tokens)
+        return held_blocks if held_blocks >= need else need
 
-    def _blocks(self, tokens: np.ndarray, pre: np.ndarray, iters: np.ndarray, held: np.ndarray,
-                k: np.ndarray) -> np.ndarray:
-        """Blocks held at iterations ``k`` (shape (E,)) by each row: shape (E, R)."""
-        k = k[:, None]
-        known = tokens[None, :] + np.maximum(0, k - pre[None, :] + 1)
-        need = np.maximum(held[None, :], rules.blocks_needed(known, self.block_tokens))
-        return np.where(k < iters[None, :], need, 0)
+    def _usage_at(self, k: int) -> int:
+        """Worst-case blocks held by all rows at iteration ``k``, O(R)."""
+        return sum(self._own_blocks(t, pre, held, k) for t, pre, iters, held in self._rows if k < iters)
 
-    def usage_blocks(self, iterations: np.ndarray) -> np.ndarray:
-        """Worst-case blocks held by all rows at each of ``iterations`` (shape (E,) -> (E,))."""
-        iterations = np.asarray(iterations, dtype=np.int64).reshape(-1)
-        if not self._rows:
-            return np.zeros(len(iterations), dtype=np.int64)
-        return self._blocks(*self._cols(), iterations).sum(axis=1)
+    def usage_blocks(self, iterations: Sequence[int]) -> list[int]:
+        """Worst-case blocks held by all rows at each of ``iterations`` (ints >= 0), in their order.
 
-    def _usage_steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        One sweep over the iterations in ascending order. A row holds ``c0 = max(held,
+        blocks_needed(tokens))`` until its switch iteration ``s``, the first ``k >= prefill_iters``
+        at which ``blocks_needed`` reaches ``held``; from there it holds ``(k + a) //
+        block_tokens`` with ``a = tokens - prefill_iters + 1 + block_tokens``, until ``iters``.
+        Writing ``a = q * block_tokens + m`` and ``k = K * block_tokens + r``, the growing rows
+        hold ``sum(q) + n * K + #{rows with m >= block_tokens - r}`` together, so a histogram of
+        ``m`` gives each point in O(block_tokens) however many rows grow.
+        """
+        bt = self.block_tokens
+        const_sum = 0
+        # (iteration, change to the constant rows' sum, +1 a row starts growing / -1 stops, its a)
+        changes: list[tuple[int, int, int, int]] = []
+        for tokens, pre, iters, held in self._rows:
+            if iters <= 0:
+                continue
+            c0 = max(held, rules.blocks_needed(tokens, bt))
+            a = tokens - pre + 1 + bt
+            switch = max(pre, held * bt - a)
+            const_sum += c0
+            if switch < iters:
+                changes += ((switch, -c0, 1, a), (iters, 0, -1, a))
+            else:
+                changes.append((iters, -c0, 0, 0))
+        changes.sort()
+        hist = [0] * bt
+        grow_n = grow_q = 0
+        ks = list(iterations)
+        out = [0] * len(ks)
+        j = 0
+        for i in sorted(range(len(ks)), key=ks.__getitem__):
+            k = ks[i]
+            while j < len(changes) and changes[j][0] <= k:
+                _, dc, sign, a = changes[j]
+                j += 1
+                const_sum += dc
+                if sign:
+                    q, m = divmod(a, bt)
+                    grow_q += sign * q
+                    grow_n += sign
+                    hist[m] += sign
+            whole, r = divmod(k, bt)
+            out[i] = const_sum + grow_q + grow_n * whole + (sum(hist[bt - r:]) if r else 0)
+        return out
+
+    def _usage_steps(self) -> tuple[list[int], list[int], list[int]]:
         """``(events, usage at each event, usage just before each event)``: the events are
-        iteration 0 and every row's finishing iteration, sorted. Usage only drops at an event
+        iteration 0 and every row's finishing iteration, ascending. Usage only drops at an event
         and never drops between two, so these are where it can start to fit and where it peaks.
         Cached until the next ``add``."""
         if self._steps is None:
-            iters = self._cols()[2] if self._rows else np.zeros(0, dtype=np.int64)
-            events = np.unique(np.concatenate([np.zeros(1, dtype=np.int64), iters]))
-            self._steps = (events, self.usage_blocks(events), self.usage_blocks(np.maximum(events - 1, 0)))
+            events = sorted({0, *(r[2] for r in self._rows if r[2] > 0)})
+            usage = self.usage_blocks(events + [max(e - 1, 0) for e in events])
+            self._steps = (events, usage[:len(events)], usage[len(events):])
         return self._steps
 
     def shadow(self, need_blocks: int) -> Shadow | None:
@@ -176,12 +213,11 @@ class WorstCaseProfile:
         finishing iteration.
         """
         events, usage, _ = self._usage_steps()
-        free = self.cap_blocks - usage
-        ok = np.nonzero(free >= need_blocks)[0]
-        if len(ok) == 0:
-            return None
-        i = int(ok[0])
-        return Shadow(iteration=int(events[i]), extra_blocks=int(free[i]) - need_blocks, need_blocks=need_blocks)
+        for e, u in zip(events, usage):
+            free = self.cap_blocks - u
+            if free >= need_blocks:
+                return Shadow(iteration=e, extra_blocks=free - need_blocks, need_blocks=need_blocks)
+        return None
 
     def admits(self, tokens: int, prefill_iters: int, iters: int, held_blocks: int, shadow: Shadow) -> bool:
         """EASY's test for a candidate row against the head's ``shadow``.
@@ -197,19 +233,14 @@ class WorstCaseProfile:
             return False
         end = min(iters, s)
         events, _, before = self._usage_steps()
-        inside = (events > 0) & (events <= end)
-        peaks, usage = events[inside] - 1, before[inside]
-        if not inside.any() or events[inside][-1] != end:  # the candidate's own last iteration
-            peaks = np.append(peaks, end - 1)
-            usage = np.append(usage, self.usage_blocks(np.array([end - 1]))[0])
-        if np.any(usage + self._own_blocks(tokens, prefill_iters, held_blocks, peaks) > self.cap_blocks):
+        inside = range(bisect_right(events, 0), bisect_right(events, end))
+        peaks = [(events[i] - 1, before[i]) for i in inside]
+        if not peaks or events[inside[-1]] != end:  # the candidate's own last iteration
+            peaks.append((end - 1, self._usage_at(end - 1)))
+        cap = self.cap_blocks
+        if any(u + self._own_blocks(tokens, prefill_iters, held_blocks, k) > cap for k, u in peaks):
             return False
         if iters <= s:
             return True
-        left_blocks = self.cap_blocks - shadow.need_blocks - int(self.usage_blocks(np.array([s]))[0])
-        return int(self._own_blocks(tokens, prefill_iters, held_blocks, np.array([s]))[0]) <= left_blocks
-
-    def _own_blocks(self, tokens: int, prefill_iters: int, held_blocks: int, k: np.ndarray) -> np.ndarray:
-        """Blocks a row that has not finished holds at iterations ``k``."""
-        return np.maximum(held_blocks, rules.blocks_needed(tokens + np.maximum(0, k - prefill_iters + 1),
-                                                          self.block_tokens))
+        left_blocks = cap - shadow.need_blocks - self._usage_at(s)
+        return self._own_blocks(tokens, prefill_iters, held_blocks, s) <= left_blocks

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
-import numpy as np
 
 from spec import fairness_rules as fr
 from spec import rules
@@ -125,11 +124,9 @@ class LatencyModel:
             raise RuntimeError(f"{self.observations} observations, {self.min_observations} needed")
         if self._coef is None:
             s, v = self._s, self._v
-            m = np.array([[s[0], s[1], s[2]], [s[1], s[3], s[4]], [s[2], s[4], s[5]]])
-            m[1, 1] *= 1.0 + self.ridge
-            m[2, 2] *= 1.0 + self.ridge
-            sol = np.linalg.lstsq(m, np.array(v), rcond=None)[0]
-            self._coef = (max(0.0, float(sol[0])), max(0.0, float(sol[1])), max(0.0, float(sol[2])))
+            r = 1.0 + self.ridge
+            sol = _solve3([[s[0], s[1], s[2]], [s[1], s[3] * r, s[4]], [s[2], s[4], s[5] * r]], v)
+            self._coef = (max(0.0, sol[0]), max(0.0, sol[1]), max(0.0, sol[2]))
         return self._coef
 
     def predict_s(self, n_requests: int, n_tokens: int) -> float:
@@ -144,6 +141,30 @@ class LatencyModel:
     def predict_us(self, n_requests: int, n_tokens: int) -> int:
         """``predict_s`` in integer microseconds (the unit of ``isolation_pays``)."""
         return int(round(self.predict_s(n_requests, n_tokens) * 1e6))
+
+
+def _solve3(m: list[list[float]], v: Sequence[float]) -> tuple[float, float, float]:
+    """Solve the 3x3 normal equations ``m x = v`` by Gaussian elimination with partial pivoting.
+
+    ``m`` is the (ridged) Gram matrix of ``(1, requests, tokens)``; ``LatencyModel.ready``
+    requires both regressors to vary and not to be collinear, so it is positive definite. A
+    zero pivot (not reachable through ``ready``) gives 0 for that coefficient.
+    """
+    a = [list(row) + [float(b)] for row, b in zip(m, v)]
+    for c in range(3):
+        p = max(range(c, 3), key=lambda i: abs(a[i][c]))
+        a[c], a[p] = a[p], a[c]
+        if a[c][c] == 0.0:
+            continue
+        for i in range(c + 1, 3):
+            f = a[i][c] / a[c][c]
+            for j in range(c, 4):
+                a[i][j] -= f * a[c][j]
+    x = [0.0, 0.0, 0.0]
+    for c in (2, 1, 0):
+        if a[c][c] != 0.0:
+            x[c] = (a[c][3] - sum(a[c][j] * x[j] for j in range(c + 1, 3))) / a[c][c]
+    return x[0], x[1], x[2]
 
 
 @dataclass(slots=True, eq=False)

@@ -9,29 +9,37 @@ batch was non-empty / ticks. Finished requests are not retained: only these numb
 """
 from __future__ import annotations
 
+import math
 from array import array
 from collections import Counter, defaultdict
 from typing import Any
 
-import numpy as np
 
 #: The four keys of the import contract.
 CONTRACT_KEYS = ("throughput_tokens_per_sec", "avg_latency_s", "p99_latency_s", "gpu_utilization")
 
 
 def _pct(xs: Any, q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else 0.0
+    """The ``q``-th percentile (0..100) by linear interpolation between closest ranks (numpy's
+    default, ``method="linear"``); 0.0 for no data."""
+    if not len(xs):
+        return 0.0
+    a = sorted(xs)
+    pos = (len(a) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(a) - 1)
+    return float(a[lo] + (a[hi] - a[lo]) * (pos - lo))
 
 
 def _mean(xs: Any) -> float:
-    return float(np.mean(np.asarray(xs, dtype=float))) if len(xs) else 0.0
+    return math.fsum(xs) / len(xs) if len(xs) else 0.0
 
 
 def jain_index(xs: Any) -> float:
     """Jain's fairness index ``(sum x)^2 / (n * sum x^2)`` in ``(0, 1]``; 1.0 for an empty or all-zero input."""
-    a = np.asarray(list(xs), dtype=float)
-    s2 = float(np.sum(a * a))
-    return float(np.sum(a) ** 2 / (len(a) * s2)) if len(a) and s2 > 0 else 1.0
+    a = [float(x) for x in xs]
+    s2 = math.fsum(x * x for x in a)
+    return math.fsum(a) ** 2 / (len(a) * s2) if a and s2 > 0 else 1.0
 
 
 class _UserStats:

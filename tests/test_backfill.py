@@ -76,6 +76,20 @@ def test_shadow_and_admits_match_a_brute_force_over_every_iteration(rows, cand, 
     assert p.admits(*c, shadow) == (s > 0 and never_over and head_fits_at_shadow)
 
 
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 6), st.integers(0, 80), st.integers(0, 40)),
+                     max_size=12),
+       block_tokens=st.sampled_from([1, 3, 4, 16]), ks=st.lists(st.integers(0, 120), max_size=20))
+def test_the_usage_sweep_matches_a_brute_force_at_any_iterations(rows, block_tokens, ks):
+    """``usage_blocks`` sweeps growing rows with a histogram of their block offsets; any point,
+    in any order and with repeats, equals the per-row sum (rows may hold more than they need,
+    finish at 0 iterations, or switch to growing at once)."""
+    p = WorstCaseProfile(10_000, block_tokens)
+    for r in rows:
+        p.add(*r)
+    assert p.usage_blocks(ks) == [_usage(rows, k, block_tokens) for k in ks]
+
+
 def test_max_iters_is_the_longest_row():
     p = WorstCaseProfile(32, 16)
     assert p.max_iters == 0
