@@ -63,6 +63,12 @@ MACHINE = lc.new_machine()
 _EVENTS = MACHINE.events
 
 
+def wall_clock() -> float:
+    """The default clock: ``time.time()``, looked up at every call, so that a harness that
+    patches ``time.time`` after building the scheduler gets stamps on its own clock."""
+    return time.time()
+
+
 def forward(batch: list[Request]) -> list[int]:
     """The default backend: ``inference_stub.forward``, looked up at every call.
 
@@ -231,8 +237,12 @@ class Scheduler:
         max_running: most resident requests (256).
         eos_token_id: the token that ends a request (``EOS_TOKEN``, 0); a negative id never
             matches, so requests end only at ``max_tokens`` or the cache length.
-        vocab_size: prompts must use ids below this (``VOCAB_SIZE``; ``None`` disables).
-        clock: a callable returning seconds; ``time.time`` by default.
+        vocab_size: prompts must use ids below this. Default: the backend's own ``vocab_size``
+            attribute when it has one (``model_backend.ModelBackend``), else no upper bound:
+            the stub never reads prompt ids, and a harness may pass real tokenizer ids. ``None``
+            disables the bound.
+        clock: a callable returning seconds; default ``wall_clock`` (``time.time()`` looked up
+            at each reading).
         backend: ``forward(batch) -> tokens``; default: this module's ``forward``, looked up
             at every call. A backend with an ``execute_model`` method (``backend_api``) is
             given ``BatchItem``s instead: token ids, ``num_computed_tokens``, block table.
@@ -311,14 +321,18 @@ class Scheduler:
         if not _is_int(self.eos_token_id):  # a negative id never matches: requests end at max_tokens or length
             raise ValueError(f"eos_token_id must be an int, got {self.eos_token_id!r}")
         self.eos_token_id = int(self.eos_token_id)  # np.int64 (a tokenizer's) as a plain int
-        self.vocab_size = getattr(stub, "VOCAB_SIZE", None) if vocab_size == -1 else vocab_size
+        if vocab_size == -1:  # the backend's vocabulary, if it states one as a positive int
+            vocab_size = getattr(backend, "vocab_size", None)
+            if not (_is_int(vocab_size) and vocab_size >= 1):
+                vocab_size = None
+        self.vocab_size = vocab_size
         if self.vocab_size is not None:
             self.vocab_size = _positive("vocab_size", int(self.vocab_size) if _is_int(self.vocab_size)
                                         else self.vocab_size)
         _check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
                      check_invariants=check_invariants, admission_headroom=admission_headroom,
                      easy_backfill=easy_backfill)
-        self.clock: Callable[[], float] = clock or time.time
+        self.clock: Callable[[], float] = clock or wall_clock
         self._backend = backend
         self.policy: Policy = policy if policy is not None else VTCPolicy()
         if max_preemptions is None:
@@ -371,14 +385,17 @@ class Scheduler:
                 (an int is an ``int`` or another ``numbers.Integral`` such as ``np.int64``, never a bool).
             PromptTooLongError: the prompt plus its first output token needs more than
                 ``kv_cap_blocks`` blocks (it could never run).
-            DuplicateRequestError: this ``Request`` object is in flight. Another object with
-                the same ``request_id`` is accepted: the contract does not make ids unique (a
-                harness may number user A's and user B's requests alike); ``abort(request_id)``
-                then reaches the oldest in flight.
+            DuplicateRequestError: this ``Request`` object is in flight in this scheduler.
+                Another object with the same ``request_id`` is accepted: the contract does not
+                make ids unique (a harness may number user A's and user B's requests alike);
+                ``abort(request_id)`` then reaches the oldest in flight.
 
         On any error nothing changes except the refusal count in ``metrics()`` (the request's
-        fields included: on acceptance only, ``submitted_at`` is stamped and ``started_at``,
-        ``completed_at`` are cleared). Thread-safe: may be called from any thread, also while
+        fields included). On acceptance the request starts afresh, whatever it held: a
+        ``Request`` that finished, was aborted or was left behind in this or another scheduler
+        may be submitted again (``submitted_at`` is stamped, ``generated`` becomes a new empty
+        list, ``started_at`` and ``completed_at`` are cleared). An object in flight in another
+        live scheduler must not be submitted: both would append to its ``generated``. Thread-safe: may be called from any thread, also while
         ``tick()`` runs (the request joins a later tick).
         A prompt that fits but whose ``prompt + max_tokens`` exceeds the cache is accepted; it
         finishes with reason ``"length"`` when prompt + generated reach ``kv_cap_blocks *
@@ -392,7 +409,10 @@ class Scheduler:
                 raise
             now = self.clock()
             request.submitted_at = now
-            request.started_at = request.completed_at = None  # a resubmitted (aborted) object starts afresh
+            # A request that ran before (here or in another scheduler) starts afresh; a new list,
+            # so that a caller who kept the old one keeps its tokens.
+            request.generated = []
+            request.started_at = request.completed_at = None
             seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt,
                        rid=request.request_id)
             self._arrivals += 1
@@ -1115,8 +1135,6 @@ class Scheduler:
             if (type(t) is not int and not _is_int(t)) or t < 0 or (hi is not None and t >= hi):
                 raise InvalidRequestError(
                     f"prompt token ids must be ints in 0..{'' if hi is None else hi - 1}, got {t!r}")
-        if not isinstance(request.generated, list) or request.generated:
-            raise InvalidRequestError("generated must be an empty list at submit")
         if type(mt) is not int:  # np.int64 and the like: a plain int from here on (same value)
             request.max_tokens = int(mt)
         return n

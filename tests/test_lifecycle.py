@@ -158,7 +158,7 @@ def test_largest_admissible_prompt_runs_and_stops_at_cache_length():
 
 
 @pytest.mark.parametrize("bad, field", [
-    (dict(prompt=[]), "prompt"), (dict(prompt=[1, "x"]), "prompt"), (dict(prompt=[1, 64]), "prompt"),
+    (dict(prompt=[]), "prompt"), (dict(prompt=[1, "x"]), "prompt"), (dict(prompt=[1, -64]), "prompt"),
     (dict(prompt=[-1]), "prompt"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(user_id=""), "user_id"), (dict(user_id=7), "user_id"),
 ])

@@ -24,7 +24,7 @@ from backend_api import BatchItem  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from model_backend import ModelBackend, PagedKVCache, tiny_llama  # noqa: E402
 from policy import FCFSPolicy  # noqa: E402
-from scheduler import BackendError, Scheduler  # noqa: E402
+from scheduler import BackendError, InvalidRequestError, Scheduler  # noqa: E402
 
 #: The tiny model's EOS id: a token its greedy outputs reach, so some requests stop on EOS.
 EOS = 102
@@ -271,6 +271,21 @@ def test_backend_refuses_a_mismatched_scheduler_and_a_short_block_table():
     with pytest.raises(ValueError, match="outside the pool"):
         backend.execute_model([BatchItem(r, tuple(r.prompt), 0, (0, 8), True)])
     assert all(float(t.abs().sum()) == 0 for t in backend.cache.k + backend.cache.v)  # nothing written
+
+
+def test_the_model_vocabulary_bounds_prompt_ids_at_submit_with_a_typed_error():
+    """The stub takes any id >= 0; a real model's ids must lie in its vocabulary (256 here), with
+    ``make_scheduler`` and with a plain ``Scheduler(backend=...)`` alike."""
+    backend = ModelBackend(model(), num_blocks=8)
+    for s in (backend.make_scheduler(), Scheduler(backend=backend, kv_cap_blocks=8)):
+        with pytest.raises(InvalidRequestError, match="0..255"):
+            s.submit(Request(user_id="u", prompt=[1, 256], max_tokens=2, request_id="x"))
+        assert not s.has_active()
+        s.submit(Request(user_id="u", prompt=[0, 255], max_tokens=2, request_id="ok"))
+        done = []
+        while s.has_active():
+            done += s.tick()
+        assert [r.request_id for r in done] == ["ok"]
 
 
 def test_paged_kv_cache_layout_and_poison():

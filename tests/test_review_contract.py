@@ -42,7 +42,7 @@ def test_numpy_integers_in_a_request_are_accepted():
 
 
 @pytest.mark.parametrize("max_tokens, token", [(np.float64(5.0), np.float64(5.0)), (np.bool_(True), np.bool_(True)),
-                                               (np.int64(0), np.int64(64))])
+                                               (np.int64(0), np.int64(-1))])
 def test_numpy_non_integers_and_out_of_range_stay_refused(max_tokens, token):
     s = Scheduler(backend=ScriptedBackend())
     with pytest.raises(InvalidRequestError):
