@@ -1,8 +1,7 @@
 """Fairness benchmark: VTC with TTFT isolation against VTC alone, FCFS and per-user round robin.
 
-    python bench_fairness.py                 # every workload, virtual clock, plus the real-time A/B burst
+    python bench_fairness.py                 # every workload, virtual clock
     python bench_fairness.py --quick         # small sizes (what the test suite runs)
-    python bench_fairness.py --no-realtime   # skip the real-time stub runs
     python bench_fairness.py --overhead      # only the scheduler's CPU time per tick
     python bench_fairness.py --resume-search # only a large prompt's wait amid preemptions,
                                              # preempted decodes resuming first or not
@@ -24,6 +23,10 @@ Workloads (seeded; virtual clock through ``simulate.run_workload`` unless stated
 Measured per policy: the TTFT ratio, A's output throughput relative to FCFS, Jain's index,
 the largest service gap (weighted tokens: w_p per first-time prompt token, w_q per output
 token), preemptions and isolated iterations.
+
+The A/B burst on the real-time stub is measured by ``bench/cold_fairness.py``, each
+measurement in a fresh process as an outside harness runs it (a warm in-process run hides
+first-call costs).
 """
 from __future__ import annotations
 
@@ -250,24 +253,6 @@ def fcfs_a_throughput(seeds: Sequence[int], spread: bool) -> dict[int, float]:
     return {s: user_throughput(run(ab_burst(s, spread=spread), CONTENDERS[2]), "A") for s in seeds}
 
 
-def run_realtime(requests: list[Request], make: Callable[[], Scheduler]) -> list[Request]:
-    """Replay on the real stub (``inference_stub.forward`` sleeps), submitting between ticks."""
-    s = make()
-    pending = sorted(requests, key=lambda r: r.submitted_at)
-    t0 = time.time()
-    i, done = 0, []
-    while i < len(pending) or s.has_active():
-        now = time.time()
-        while i < len(pending) and t0 + pending[i].submitted_at <= now:
-            s.submit(pending[i])
-            i += 1
-        if s.has_active():
-            done += s.tick()
-        elif i < len(pending):
-            time.sleep(max(0.0, t0 + pending[i].submitted_at - time.time()))
-    return done
-
-
 # ---------------------------------------------------------------- the report
 
 
@@ -281,8 +266,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=10, help="A/B burst seeds (default 10)")
     p.add_argument("--flood", type=int, default=10_000, help="requests of the flooding user (default 10000)")
     p.add_argument("--quick", action="store_true", help="small sizes: 2 seeds, a 1000-request flood")
-    p.add_argument("--no-realtime", action="store_true", help="skip the real-time stub runs")
-    p.add_argument("--realtime-seeds", type=int, default=3, help="seeds of the real-time A/B burst (default 3)")
     p.add_argument("--overhead", action="store_true", help="only the per-tick CPU time of the policies")
     p.add_argument("--resume-search", action="store_true",
                    help="only the wait of a large prompt amid preemptions, preempted decodes resuming first or not")
@@ -385,19 +368,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for u in ("A", "B", "C"):
         print(f"   {u}: " + " ".join(f"{w[u]:8.0f}" for _, w in series))
 
-    if not a.no_realtime:
-        print("\n== A/B burst on the real-time stub (inference_stub.forward sleeps; Scheduler() defaults) ==")
-        print(f"{'workload':12} {'policy':14} {'seed':>4} {'B with A':>9} {'B alone':>9} {'ratio':>6}")
-        for spread in (False, True):
-            for c in (CONTENDERS[0], CONTENDERS[2]):
-                for seed in range(1 if a.quick else a.realtime_seeds):
-                    kw = c.kwargs()
-                    with_a = median_ttft(run_realtime(ab_burst(seed, spread=spread), lambda: Scheduler(**kw)), "B")
-                    kw = c.kwargs()
-                    alone = median_ttft(run_realtime(ab_burst(seed, spread=spread, with_a=False),
-                                                     lambda: Scheduler(**kw)), "B")
-                    print(f"{'ab-spread' if spread else 'ab-at-once':12} {c.name:14} {seed:4d} "
-                          f"{with_a * 1e3:7.1f}ms {alone * 1e3:7.1f}ms {with_a / alone:6.2f}")
     print(f"\n(bench took {time.perf_counter() - t_start:.0f} s of wall time)")
     return 0
 

@@ -22,7 +22,7 @@ Harness styles:
 
 Usage (from the project root; needs only the scheduler's own closure, stdlib + transitions)::
 
-    python bench/cold_fairness.py [--seeds 20] [--styles at_once,when_due] [--json]
+    python bench/cold_fairness.py [--seeds 20] [--styles at_once,when_due] [--policies batch,fcfs] [--json]
 
 Prints, per style, one line per seed (B with A, B alone, ratio) and a summary line: median and
 worst ratio over the seeds and how many exceed 2.0 (the seed problem's limit). Takes about
@@ -40,10 +40,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STYLES = ("at_once", "when_due", "arrival")
+POLICIES = ("batch", "fcfs")
 N_A, N_B, WINDOW_S = 100, 5, 1.0
 
 
-def _child(seed: int, style: str, with_a: bool) -> float:
+def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
     """One measurement in this (fresh) process: B's median TTFT, seconds."""
     import random
     import time
@@ -51,6 +52,7 @@ def _child(seed: int, style: str, with_a: bool) -> float:
     sys.path.insert(0, str(ROOT))
     import scheduler
     from inference_stub import Request
+    from policy import FCFSPolicy
 
     rnd = random.Random(1000 + seed)
 
@@ -63,7 +65,7 @@ def _child(seed: int, style: str, with_a: bool) -> float:
     arrivals = sorted(((rnd.uniform(0.0, WINDOW_S), r) for r in a + b), key=lambda x: x[0])
     if not with_a:
         arrivals = [(t, r) for t, r in arrivals if r.user_id == "B"]
-    s = scheduler.Scheduler()
+    s = scheduler.Scheduler() if policy == "batch" else scheduler.Scheduler(policy=FCFSPolicy())
     if style == "at_once":
         for _, r in arrivals:
             s.submit(r)
@@ -93,13 +95,14 @@ def _child(seed: int, style: str, with_a: bool) -> float:
     return statistics.median(first.values())
 
 
-def measure(seed: int, style: str, with_a: bool, *, python: str = sys.executable, timeout_s: float = 120.0) -> float:
+def measure(seed: int, style: str, with_a: bool, *, policy: str = "batch", python: str = sys.executable,
+            timeout_s: float = 120.0) -> float:
     """B's median TTFT (seconds) for one seed, style and with/without A, measured in a fresh process.
 
     Raises:
         RuntimeError: the child process failed (its stderr's tail in the message).
     """
-    p = subprocess.run([python, str(Path(__file__).resolve()), "--child", str(seed), style, str(int(with_a))],
+    p = subprocess.run([python, str(Path(__file__).resolve()), "--child", str(seed), style, str(int(with_a)), policy],
                        capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     if p.returncode != 0:
@@ -107,16 +110,16 @@ def measure(seed: int, style: str, with_a: bool, *, python: str = sys.executable
     return float(p.stdout.strip().splitlines()[-1])
 
 
-def ratios(seeds: range, style: str, *, echo: bool = False) -> list[float]:
+def ratios(seeds: range, style: str, *, policy: str = "batch", echo: bool = False) -> list[float]:
     """B's median TTFT with A over alone, per seed, each side measured cold."""
     out = []
     for seed in seeds:
-        alone = measure(seed, style, False)
-        mixed = measure(seed, style, True)
+        alone = measure(seed, style, False, policy=policy)
+        mixed = measure(seed, style, True, policy=policy)
         out.append(mixed / alone)
         if echo:
-            print(f"  {style:8s} seed {seed:2d}  B with A {mixed * 1e3:7.1f} ms  alone {alone * 1e3:6.1f} ms  "
-                  f"ratio {mixed / alone:.2f}", flush=True)
+            print(f"  {policy:5s} {style:8s} seed {seed:2d}  B with A {mixed * 1e3:7.1f} ms  "
+                  f"alone {alone * 1e3:6.1f} ms  ratio {mixed / alone:.2f}", flush=True)
     return out
 
 
@@ -124,23 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 (default 20)")
     p.add_argument("--styles", default="at_once,when_due", help=f"comma-separated, of {', '.join(STYLES)}")
+    p.add_argument("--policies", default="batch", help="comma-separated, of batch (Scheduler() as it ships) "
+                   "and fcfs (Scheduler(policy=FCFSPolicy()), the baseline); default batch")
     p.add_argument("--json", action="store_true", help="also print the ratios as one JSON line")
-    p.add_argument("--child", nargs=3, metavar=("SEED", "STYLE", "WITH_A"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, metavar=("SEED", "STYLE", "WITH_A", "POLICY"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(repr(_child(int(a.child[0]), a.child[1], a.child[2] == "1")))
+        print(repr(_child(int(a.child[0]), a.child[1], a.child[2] == "1", a.child[3])))
         return 0
-    styles = a.styles.split(",")
-    bad = [s for s in styles if s not in STYLES]
+    styles, policies = a.styles.split(","), a.policies.split(",")
+    bad = [s for s in styles if s not in STYLES] + [q for q in policies if q not in POLICIES]
     if bad or a.seeds < 1:
-        p.error(f"unknown style {bad[0]!r}" if bad else "--seeds must be >= 1")
-    table = {}
-    for style in styles:
-        rs = ratios(range(a.seeds), style, echo=True)
-        table[style] = rs
-        print(f"{style:8s} median {statistics.median(rs):.2f}  worst {max(rs):.2f}  "
-              f"over 2.0: {sum(r > 2.0 for r in rs)}/{len(rs)}  over 1.5: {sum(r > 1.5 for r in rs)}/{len(rs)}",
-              flush=True)
+        p.error(f"unknown style or policy {bad[0]!r}" if bad else "--seeds must be >= 1")
+    table: dict[str, list[float]] = {}
+    summary = []
+    for policy in policies:
+        for style in styles:
+            rs = ratios(range(a.seeds), style, policy=policy, echo=True)
+            table[f"{policy}/{style}"] = rs
+            summary.append(f"{policy:5s} {style:8s} median {statistics.median(rs):6.2f}  worst {max(rs):6.2f}  "
+                           f"over 1.5: {sum(r > 1.5 for r in rs):2d}/{len(rs)}  "
+                           f"over 2.0: {sum(r > 2.0 for r in rs):2d}/{len(rs)}")
+    print(f"\nB's median TTFT with A / alone, seeds 0..{a.seeds - 1}, each measurement in a fresh process:")
+    print("\n".join(summary))
     if a.json:
         print(json.dumps(table))
     return 0
