@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
-
 from spec import fairness_rules as fr
 from spec import rules
 from spec.lifecycle import WAITING_STATES

@@ -14,17 +14,15 @@ from array import array
 from collections import Counter, defaultdict
 from typing import Any
 
-
 #: The four keys of the import contract.
 CONTRACT_KEYS = ("throughput_tokens_per_sec", "avg_latency_s", "p99_latency_s", "gpu_utilization")
 
 
-def _pct(xs: Any, q: float) -> float:
-    """The ``q``-th percentile (0..100) by linear interpolation between closest ranks (numpy's
-    default, ``method="linear"``); 0.0 for no data."""
-    if not len(xs):
+def _pct(a: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of the *sorted* ``a`` by linear interpolation between
+    closest ranks (numpy's default, ``method="linear"``); 0.0 for no data."""
+    if not a:
         return 0.0
-    a = sorted(xs)
     pos = (len(a) - 1) * q / 100.0
     lo = math.floor(pos)
     hi = min(lo + 1, len(a) - 1)
@@ -32,14 +30,14 @@ def _pct(xs: Any, q: float) -> float:
 
 
 def _mean(xs: Any) -> float:
-    return math.fsum(xs) / len(xs) if len(xs) else 0.0
+    return sum(xs) / len(xs) if len(xs) else 0.0
 
 
 def jain_index(xs: Any) -> float:
     """Jain's fairness index ``(sum x)^2 / (n * sum x^2)`` in ``(0, 1]``; 1.0 for an empty or all-zero input."""
     a = [float(x) for x in xs]
-    s2 = math.fsum(x * x for x in a)
-    return math.fsum(a) ** 2 / (len(a) * s2) if a and s2 > 0 else 1.0
+    s2 = sum(x * x for x in a)
+    return sum(a) ** 2 / (len(a) * s2) if a and s2 > 0 else 1.0
 
 
 class _UserStats:
@@ -151,19 +149,21 @@ class MetricsRecorder:
         if self.first_submit_s is not None and self.last_completion_s is not None:
             duration = max(0.0, self.last_completion_s - self.first_submit_s)
         ticks = max(self.ticks, 1)
+        e2e, ttft, tpot, itl, queue = (sorted(xs) for xs in (self.e2e_s, self.ttft_s, self.tpot_s, self.itl_s,
+                                                              self.queue_s))
         return {
             "throughput_tokens_per_sec": float(self.output_tokens / duration) if duration > 0 else 0.0,
             "avg_latency_s": _mean(self.e2e_s),
-            "p99_latency_s": _pct(self.e2e_s, 99),
+            "p99_latency_s": _pct(e2e, 99),
             "gpu_utilization": float(self.nonempty_ticks / self.ticks) if self.ticks else 0.0,
             "requests_finished": len(self.e2e_s),
             "output_tokens": self.output_tokens,
             "duration_s": duration,
-            "ttft_mean_s": _mean(self.ttft_s), "ttft_p50_s": _pct(self.ttft_s, 50), "ttft_p99_s": _pct(self.ttft_s, 99),
-            "tpot_mean_s": _mean(self.tpot_s), "tpot_p50_s": _pct(self.tpot_s, 50), "tpot_p99_s": _pct(self.tpot_s, 99),
-            "itl_mean_s": _mean(self.itl_s), "itl_p50_s": _pct(self.itl_s, 50), "itl_p99_s": _pct(self.itl_s, 99),
-            "e2e_p50_s": _pct(self.e2e_s, 50),
-            "queue_p50_s": _pct(self.queue_s, 50), "queue_p99_s": _pct(self.queue_s, 99),
+            "ttft_mean_s": _mean(self.ttft_s), "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "tpot_mean_s": _mean(self.tpot_s), "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+            "itl_mean_s": _mean(self.itl_s), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+            "e2e_p50_s": _pct(e2e, 50),
+            "queue_p50_s": _pct(queue, 50), "queue_p99_s": _pct(queue, 99),
             "preemptions": self.preemptions,
             "refusals": sum(self.refusals.values()),
             "refusals_by_reason": dict(self.refusals),
@@ -178,7 +178,7 @@ class MetricsRecorder:
             "jain_index_output_tokens": jain_index(u.output_tokens for u in self.users.values()),
             "per_user": {
                 user: {"finished": u.finished, "output_tokens": u.output_tokens, "prompt_tokens": u.prompt_tokens,
-                       "ttft_p50_s": _pct(u.ttft_s, 50), "e2e_p50_s": _pct(u.e2e_s, 50)}
+                       "ttft_p50_s": _pct(sorted(u.ttft_s), 50), "e2e_p50_s": _pct(sorted(u.e2e_s), 50)}
                 for user, u in sorted(self.users.items())
             },
         }

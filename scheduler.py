@@ -380,9 +380,10 @@ class Scheduler:
         """Accept a request; returns at once. Stamps ``submitted_at`` with the scheduler's clock.
 
         Raises:
-            InvalidRequestError: empty ``user_id``; a prompt that is empty, not a list of
-                ints, or has ids outside ``0..vocab_size-1``; ``max_tokens`` not an int >= 1
-                (an int is an ``int`` or another ``numbers.Integral`` such as ``np.int64``, never a bool).
+            InvalidRequestError: empty ``user_id``; a prompt that is empty, not a list of ints,
+                or has an id below 0 (or at or above ``vocab_size``, when there is one);
+                ``max_tokens`` not an int >= 1. An int is an ``int`` or another
+                ``numbers.Integral`` such as ``np.int64``, never a bool.
             PromptTooLongError: the prompt plus its first output token needs more than
                 ``kv_cap_blocks`` blocks (it could never run).
             DuplicateRequestError: this ``Request`` object is in flight in this scheduler.
@@ -394,8 +395,9 @@ class Scheduler:
         fields included). On acceptance the request starts afresh, whatever it held: a
         ``Request`` that finished, was aborted or was left behind in this or another scheduler
         may be submitted again (``submitted_at`` is stamped, ``generated`` becomes a new empty
-        list, ``started_at`` and ``completed_at`` are cleared). An object in flight in another
-        live scheduler must not be submitted: both would append to its ``generated``. Thread-safe: may be called from any thread, also while
+        list unless it is an empty list already, ``started_at`` and ``completed_at`` are
+        cleared). An object in flight in another live scheduler must not be submitted: both would
+        append to its ``generated``. Thread-safe: may be called from any thread, also while
         ``tick()`` runs (the request joins a later tick).
         A prompt that fits but whose ``prompt + max_tokens`` exceeds the cache is accepted; it
         finishes with reason ``"length"`` when prompt + generated reach ``kv_cap_blocks *
@@ -409,9 +411,11 @@ class Scheduler:
                 raise
             now = self.clock()
             request.submitted_at = now
-            # A request that ran before (here or in another scheduler) starts afresh; a new list,
-            # so that a caller who kept the old one keeps its tokens.
-            request.generated = []
+            # A request that ran before (here or in another scheduler) starts afresh: a new list, so
+            # that a caller who kept the old one keeps its tokens; an empty list (or list
+            # subclass) the caller gave is kept.
+            if not isinstance(request.generated, list) or request.generated:
+                request.generated = []
             request.started_at = request.completed_at = None
             seq = _Seq(req=request, user_id=request.user_id, arrival_no=self._arrivals, num_prompt_tokens=n_prompt,
                        rid=request.request_id)
@@ -1134,7 +1138,7 @@ class Scheduler:
         for t in prompt:
             if (type(t) is not int and not _is_int(t)) or t < 0 or (hi is not None and t >= hi):
                 raise InvalidRequestError(
-                    f"prompt token ids must be ints in 0..{'' if hi is None else hi - 1}, got {t!r}")
+                    f"prompt token ids must be ints {'>= 0' if hi is None else f'in 0..{hi - 1}'}, got {t!r}")
         if type(mt) is not int:  # np.int64 and the like: a plain int from here on (same value)
             request.max_tokens = int(mt)
         return n

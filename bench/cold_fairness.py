@@ -69,8 +69,11 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
     if style == "at_once":
         for _, r in arrivals:
             s.submit(r)
+        t0 = time.time()
         while any(r.started_at is None for r in b):
             s.tick()
+            if time.time() - t0 > 60:
+                raise SystemExit("B never started within 60 s")
         return statistics.median(r.started_at - r.submitted_at for r in b)
     first: dict[str, float] = {}  # B request id -> harness-clock TTFT from nominal arrival
     t0 = time.time()
