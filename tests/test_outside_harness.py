@@ -227,3 +227,21 @@ def test_a_request_reused_across_schedulers_starts_afresh():
     with pytest.raises(DuplicateRequestError):  # in flight in this scheduler: still refused
         mixed.submit(b[0])
     assert len(drain(mixed)) == 1
+
+
+def test_the_empty_generated_list_a_harness_gave_is_the_one_filled():
+    """A harness may hold ``r.generated`` before submitting, or pass a list subclass that stamps
+    each token: a fresh request keeps its own (empty) list."""
+    stamps = []
+
+    class Timed(list):
+        def append(self, x):
+            stamps.append(x)
+            super().append(x)
+
+    s = Scheduler(backend=ScriptedBackend())
+    r = Request(user_id="u1", prompt=[1, 2, 3], max_tokens=4, request_id="t", generated=Timed())
+    held = r.generated
+    s.submit(r)
+    drain(s)
+    assert r.generated is held and len(held) == 4 and stamps == held
