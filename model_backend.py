@@ -40,10 +40,15 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, 
 from backend_api import BatchItem
 from scheduler import Scheduler
 
-__all__ = ["ATTN_IMPLEMENTATION", "PagedKVCache", "ModelBackend", "tiny_llama", "load_model", "from_cli"]
+__all__ = ["ATTN_IMPLEMENTATION", "DeviceError", "PagedKVCache", "ModelBackend", "tiny_llama", "load_model",
+           "resolve_device", "from_cli"]
 
 #: The name our attention function is registered under in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "batch_paged"
+
+
+class DeviceError(ValueError):
+    """A device that is not a torch device name, or that this machine lacks (``cuda`` without CUDA)."""
 
 
 class PagedKVCache:
@@ -404,7 +409,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None,
     """A causal LM from a local checkpoint directory (``config.json`` + safetensors); never downloads.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory with a ``config.json``.
+        FileNotFoundError: ``path`` is not a directory with a ``config.json`` (missing, a file, or
+            a directory without one); checked before anything is loaded.
     """
     p = Path(path)
     if not (p / "config.json").is_file():
@@ -414,9 +420,51 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None,
     return model.to(device).eval()
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The torch device a model will run on, checked to exist on this machine before any model is built.
+
+    Args:
+        device: a torch device name (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ...); ``None``
+            picks ``cuda`` when present, else ``cpu``.
+
+    Returns:
+        The parsed ``torch.device``.
+
+    Raises:
+        DeviceError: ``device`` is not a torch device name; names ``cuda`` (or ``cuda:N``) while
+            CUDA is unavailable (or has no device ``N``); names another accelerator type whose
+            torch module says it is unavailable (``mps``, ``xpu``, ...); or is ``meta`` (holds
+            no data, so no model can run on it).
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise DeviceError(f"device {device!r} is not a torch device name (cpu, cuda, cuda:N, mps, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise DeviceError(f"device {device!r}: MPS is not available on this machine")
+    elif dev.type == "meta":
+        raise DeviceError(f"device {device!r} holds no data: a model cannot run on it")
+    elif dev.type != "cpu":
+        module = getattr(torch, dev.type, None)
+        is_available = getattr(module, "is_available", None)
+        if callable(is_available) and not is_available():
+            raise DeviceError(f"device {device!r}: {dev.type} is not available on this machine")
+    return dev
+
+
 def from_cli(*, path: str | None = None, device: str | None = None, dtype: str = "float32",
              num_blocks: int = 256, block_tokens: int = 16) -> ModelBackend:
     """The backend ``simulate.py --backend model`` runs: a local checkpoint, or the tiny seeded Llama.
+
+    Every argument is checked before a model is built or loaded.
 
     Args:
         path: a checkpoint directory; ``None`` builds ``tiny_llama(seed=0)``.
@@ -425,13 +473,16 @@ def from_cli(*, path: str | None = None, device: str | None = None, dtype: str =
         num_blocks, block_tokens: the paged KV cache's size.
 
     Raises:
-        ValueError: an unknown dtype. FileNotFoundError: ``path`` is not a checkpoint directory.
+        ValueError: an unknown dtype; a model ``ModelBackend`` cannot run (see there).
+        DeviceError: (a ``ValueError``) ``device`` is not a torch device name or this machine
+            lacks it (see ``resolve_device``).
+        FileNotFoundError: ``path`` is not a checkpoint directory.
     """
     dtypes = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if path is None and torch.device(dev).type == "cpu":
+    dev = resolve_device(device)
+    if path is None and dev.type == "cpu":
         # The tiny model's ops are microseconds long: intra-op threads only add spin-waits, which
         # stall an iteration for ~0.4 s when another process holds the cores (measured on 2 cores).
         torch.set_num_threads(1)

@@ -66,14 +66,33 @@ def resolve_trace(name_or_path: str | os.PathLike) -> Path:
 
     Raises:
         FileNotFoundError: neither exists.
+        IsADirectoryError: the path found is a directory, not a trace file.
     """
     p = Path(name_or_path)
-    if p.exists():
-        return p
     q = TRACES_DIR / p
-    if q.exists():
-        return q
+    for found in (p, q):
+        if found.is_dir():
+            raise IsADirectoryError(f"trace {found} is a directory, not a CSV file")
+        if found.exists():
+            return found
     raise FileNotFoundError(f"no trace at {p} nor {q}")
+
+
+def _numbered_rows(reader: csv.DictReader, path: str | os.PathLike, limit: int | None) -> list[tuple[int, dict]]:
+    """The first ``limit`` rows (``None``: all) as ``(line number, row)``, after checking the header.
+
+    Raises:
+        ValueError: the header lacks a column ``load_trace`` needs.
+    """
+    need = {"arrival_s", "prompt_tokens", "output_tokens"}
+    if not need <= set(reader.fieldnames or ()):
+        raise ValueError(f"{path}: header must have {sorted(need)}, got {reader.fieldnames}")
+    out: list[tuple[int, dict]] = []
+    for row in reader:
+        if limit is not None and len(out) >= limit:
+            break
+        out.append((reader.line_num, row))
+    return out
 
 
 def load_trace(
@@ -101,37 +120,47 @@ def load_trace(
         them at ``submit`` with a typed error, and the runner counts them.
 
     Raises:
-        FileNotFoundError: no such trace. ValueError: a malformed row (names the line),
-        ``time_scale <= 0`` or ``users < 1``.
+        FileNotFoundError: no such trace.
+        IsADirectoryError: ``path`` is a directory.
+        ValueError: a malformed row, naming the file, the line and the value: a field that is
+            not a number, an ``arrival_s`` that is not finite (nan, inf) or is negative (a nan
+            arrival made a replay wait for ever), or a negative token count; a file that is not
+            UTF-8 text or not CSV; ``time_scale`` not a finite number > 0; ``users < 1``.
     """
-    if time_scale <= 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if not 0 < time_scale < math.inf:
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     if users < 1:
         raise ValueError(f"users must be >= 1, got {users}")
     rng = random.Random(seed)
     out: list[Request] = []
-    with open(resolve_trace(path), newline="") as f:
-        reader = csv.DictReader(f)
-        need = {"arrival_s", "prompt_tokens", "output_tokens"}
-        if not need <= set(reader.fieldnames or ()):
-            raise ValueError(f"{path}: header must have {sorted(need)}, got {reader.fieldnames}")
-        for i, row in enumerate(reader):
-            if limit is not None and i >= limit:
-                break
-            try:
-                arrival_s = float(row["arrival_s"]) * time_scale
-                plen = int(row["prompt_tokens"])
-                olen = int(row["output_tokens"])
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{path}: line {i + 2}: {e}") from None
-            user = (row.get("user_id") or "").strip() or f"u{rng.randint(1, users)}"
-            out.append(
-                Request(
-                    user_id=user,
-                    prompt=rng.choices(_TOKEN_IDS, k=plen),
-                    max_tokens=olen,
-                    request_id=f"t{i}",
-                    submitted_at=arrival_s,
-                )
+    with open(resolve_trace(path), newline="", encoding="utf-8") as f:
+        try:
+            rows = _numbered_rows(csv.DictReader(f), path, limit)
+        except (csv.Error, UnicodeDecodeError) as e:  # a NUL byte, a binary file
+            raise ValueError(f"{path}: not a CSV text file: {e}") from None
+    for i, (line, row) in enumerate(rows):
+        where = f"{path}: line {line}"
+        try:
+            arrival_s = float(row["arrival_s"])
+            plen = int(row["prompt_tokens"])
+            olen = int(row["output_tokens"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        if not 0 <= arrival_s < math.inf:
+            raise ValueError(f"{where}: arrival_s must be a finite number of seconds >= 0, got {row['arrival_s']!r}")
+        arrival_s *= time_scale
+        if arrival_s == math.inf:
+            raise ValueError(f"{where}: arrival_s {row['arrival_s']!r} times time_scale {time_scale} is not finite")
+        if plen < 0 or olen < 0:
+            raise ValueError(f"{where}: token counts must be >= 0, got prompt_tokens={plen}, output_tokens={olen}")
+        user = (row.get("user_id") or "").strip() or f"u{rng.randint(1, users)}"
+        out.append(
+            Request(
+                user_id=user,
+                prompt=rng.choices(_TOKEN_IDS, k=plen),
+                max_tokens=olen,
+                request_id=f"t{i}",
+                submitted_at=arrival_s,
             )
+        )
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,18 @@ def run_workload(
 
     Returns:
         A ``RunResult``; refused requests are counted there and in ``metrics()["refusals"]``.
+
+    Raises:
+        ValueError: a request's ``submitted_at`` is not a finite number of seconds >= 0 (nan,
+            inf, negative, or not a number), naming the request; checked before anything runs
+            (a nan offset made the replay wait for ever).
+        RuntimeError: ``max_ticks`` ticks passed and the run has not finished.
     """
+    for r in requests:
+        t = r.submitted_at
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < math.inf:
+            raise ValueError(f"request {r.request_id!r}: submitted_at (arrival offset) must be a finite "
+                             f"number of seconds >= 0, got {t!r}")
     clock = VirtualClock() if virtual else None
     now: Callable[[], float] = clock.now if clock else time.time
     gpu = SimulatedGPU(base_s=base_s, per_request_s=per_request_s, eos_probability=eos_probability,
@@ -182,7 +194,15 @@ _probability.__name__ = "probability in [0, 1]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit status."""
+    """Command-line entry point; returns the process exit status.
+
+    Raises:
+        SystemExit: status 2 with one ``simulate: error: ...`` line on stderr (after the usage
+            line) for a bad argument: a ``--trace`` that is missing, a directory, unreadable, or
+            has a malformed row (a non-number, a nan / inf / negative ``arrival_s``); a
+            ``--model`` that is not a checkpoint directory; a ``--device`` that is not a torch
+            device name or that this machine lacks.
+    """
     p = argparse.ArgumentParser(prog="simulate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="a normalised trace CSV (path, or a file name in ../shared/traces/)")
@@ -217,8 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.trace:
         try:
             reqs = request_gen.load_trace(a.trace, limit=a.limit, time_scale=a.time_scale, users=a.users, seed=a.seed)
-        except (FileNotFoundError, ValueError) as e:  # no such trace, or a malformed row
-            p.error(str(e))
+        except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
+            p.error(str(e))  # no such trace, a directory, unreadable, or a malformed row / arrival
         label = f"trace {a.trace} ({len(reqs)} requests, time scale {a.time_scale})"
     else:
         reqs = request_gen.stream(n=a.n, lam=a.rate, seed=a.seed)
@@ -235,8 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as e:
             print(f"--backend model needs the 'model' extra (pip install -e '.[model]'): {e}", file=sys.stderr)
             return 2
-        backend = model_backend.from_cli(path=a.model, device=a.device, dtype=a.dtype,
-                                         num_blocks=kw.pop("kv_cap_blocks", 256))
+        try:
+            backend = model_backend.from_cli(path=a.model, device=a.device, dtype=a.dtype,
+                                             num_blocks=kw.pop("kv_cap_blocks", 256))
+        except (FileNotFoundError, model_backend.DeviceError) as e:  # --model nowhere, --device absent
+            p.error(str(e))
         res = run_workload(reqs, make_scheduler=backend.make_scheduler, virtual=False, progress=progress, **kw)
         virtual = False
         print(f"Batch on {label}, model backend: {backend.describe()}")

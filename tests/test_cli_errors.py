@@ -1,0 +1,149 @@
+"""Bad input to the main job ends with one error line, never a traceback or a hang (issue 15).
+
+``simulate.py`` runs in a subprocess with a timeout, so an input that used to loop for ever
+(a trace row with ``arrival_s=nan``) fails the test instead of hanging it. The trace loader and
+``run_workload`` are also checked directly: a non-finite or negative arrival is a ``ValueError``
+naming where it came from.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import request_gen
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = "arrival_s,prompt_tokens,output_tokens,user_id\n"
+GOOD_ROWS = "0,10,5,\n0.5,20,8,\n"
+
+
+def write_trace(tmp_path: Path, bad_row: str, name: str = "trace.csv") -> Path:
+    """A trace in the normalised format: two valid rows, then ``bad_row`` on line 4."""
+    path = tmp_path / name
+    path.write_text(HEADER + GOOD_ROWS + bad_row + "\n")
+    return path
+
+
+def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """``python simulate.py ARGS`` from the repository root; the timeout turns a hang into a failure."""
+    return subprocess.run([sys.executable, "simulate.py", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """Non-zero exit; stderr is argparse's usage then one ``simulate: error:`` line naming ``words``."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines, "nothing on stderr"
+    last = lines[-1]
+    assert last.startswith("simulate: error: "), proc.stderr
+    assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), proc.stderr  # usage only above it
+    for word in words:
+        assert word in last, (word, last)
+
+
+# ---- the trace loader ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "NaN"])
+def test_load_trace_refuses_non_finite_or_negative_arrival(tmp_path, value):
+    path = write_trace(tmp_path, f"{value},10,5,")
+    with pytest.raises(ValueError, match=r"line 4: arrival_s .*" + value):
+        request_gen.load_trace(path)
+
+
+def test_load_trace_error_names_the_file(tmp_path):
+    path = write_trace(tmp_path, "nan,10,5,", name="with_nan.csv")
+    with pytest.raises(ValueError, match="with_nan.csv"):
+        request_gen.load_trace(path)
+
+
+def test_load_trace_refuses_an_arrival_that_time_scale_makes_infinite(tmp_path):
+    path = write_trace(tmp_path, "1e308,10,5,")
+    with pytest.raises(ValueError, match="line 4"):
+        request_gen.load_trace(path, time_scale=10.0)
+
+
+@pytest.mark.parametrize("time_scale", [math.nan, math.inf])
+def test_load_trace_refuses_non_finite_time_scale(tmp_path, time_scale):
+    path = write_trace(tmp_path, "1,10,5,")
+    with pytest.raises(ValueError, match="time_scale"):
+        request_gen.load_trace(path, time_scale=time_scale)
+
+
+# ---- run_workload --------------------------------------------------------------------------
+
+
+RUN_WORKLOAD_SCRIPT = """
+from inference_stub import Request
+from simulate import run_workload
+reqs = [Request(user_id="u1", prompt=[1, 2, 3], max_tokens=2, request_id="ok", submitted_at=0.0),
+        Request(user_id="u1", prompt=[1, 2, 3], max_tokens=2, request_id="bad", submitted_at=float({offset!r}))]
+try:
+    run_workload(reqs, virtual=True, max_ticks=1000)
+except ValueError as e:
+    print("ValueError:", e)
+print("started_at of ok:", reqs[0].started_at)
+"""
+
+
+@pytest.mark.parametrize("offset", ["nan", "inf", "-1"])
+def test_run_workload_refuses_non_finite_or_negative_offset_before_running(offset):
+    # In a subprocess with a timeout: before the check, a nan offset looped for ever in-process.
+    proc = subprocess.run([sys.executable, "-c", RUN_WORKLOAD_SCRIPT.format(offset=offset)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()
+    assert first.startswith("ValueError:") and "'bad'" in first, proc.stdout
+    assert second == "started_at of ok: None"  # refused before anything ran
+
+
+# ---- simulate.py from the command line -----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_cli_trace_with_bad_arrival_is_one_line_error(tmp_path, value):
+    path = write_trace(tmp_path, f"{value},10,5,")
+    assert_one_line_error(run_cli("--trace", str(path)), "arrival_s", "line 4", value)
+
+
+def test_cli_trace_with_negative_token_count_is_one_line_error(tmp_path):
+    path = write_trace(tmp_path, "1,-3,5,")  # was read as an empty prompt and run
+    assert_one_line_error(run_cli("--trace", str(path)), "line 4", "prompt_tokens=-3")
+
+
+def test_cli_trace_directory_is_one_line_error(tmp_path):
+    assert_one_line_error(run_cli("--trace", str(tmp_path)), str(tmp_path), "directory")
+
+
+def test_cli_model_nowhere_is_one_line_error(tmp_path):
+    pytest.importorskip("torch")
+    nowhere = tmp_path / "no_such_checkpoint"
+    assert_one_line_error(run_cli("--backend", "model", "--model", str(nowhere)), str(nowhere), "checkpoint")
+
+
+def test_cli_nonsense_device_is_one_line_error():
+    pytest.importorskip("torch")
+    assert_one_line_error(run_cli("--backend", "model", "--device", "foo"), "'foo'", "device")
+
+
+def test_cli_cuda_without_cuda_is_one_line_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert_one_line_error(run_cli("--backend", "model", "--device", "cuda"), "'cuda'", "CUDA")
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "", "meta"])
+def test_resolve_device_refuses_names_that_are_no_usable_device(device):
+    pytest.importorskip("torch")
+    import model_backend  # noqa: PLC0415 - the optional 'model' extra
+
+    with pytest.raises(model_backend.DeviceError, match=repr(device)):
+        model_backend.resolve_device(device)
+    assert issubclass(model_backend.DeviceError, ValueError)
