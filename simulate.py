@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,6 +197,9 @@ _probability.__name__ = "probability in [0, 1]"
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status.
 
+    A reader that closes the output early (``simulate.py | head``) ends the run quietly with
+    status 0, as other command-line tools do, not with a ``BrokenPipeError`` traceback.
+
     Raises:
         SystemExit: status 2 with one ``simulate: error: ...`` line on stderr (after the usage
             line) for a bad argument: a ``--trace`` that is missing, a directory, unreadable, or
@@ -203,6 +207,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ``--model`` that is not a checkpoint directory; a ``--device`` that is not a torch
             device name or that this machine lacks.
     """
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that raises nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(prog="simulate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="a normalised trace CSV (path, or a file name in ../shared/traces/)")

@@ -147,3 +147,14 @@ def test_resolve_device_refuses_names_that_are_no_usable_device(device):
     with pytest.raises(model_backend.DeviceError, match=repr(device)):
         model_backend.resolve_device(device)
     assert issubclass(model_backend.DeviceError, ValueError)
+
+
+def test_a_reader_closing_the_output_early_ends_the_run_quietly():
+    """``simulate.py | head -1``: the rest of the output has nowhere to go; no traceback."""
+    p = subprocess.Popen([sys.executable, "simulate.py", "--no-progress", "--clock", "virtual", "--n", "20"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = p.stdout.readline()
+    p.stdout.close()  # as `head -1` does
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 0 and first.startswith("Batch on")
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
