@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['isolated']:8.1f}")
 
     bound = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, PROMPT_RANGE[1], fr.OUTPUT_PRICE, MAX_TOKENS_RANGE[1])
-    print(f"\n== overload: 4 users x {400 // scale} requests at once (short / long prompt / long output / mixed) ==")
+    print(f"\n== overload: 4 users x {400 // scale} requests at once (short / long prompt / long output / mixed); seed 0, virtual clock ==")
     print(f"   VTC paper's gap bound 2*max(w_p*L_in, w_q*M) = 2*max(1*{PROMPT_RANGE[1]}, 2*{MAX_TOKENS_RANGE[1]})"
           f" = {bound} weighted tokens")
     print(f"   (with M = the tokens the KV cache holds, {256 * 16}, the bound is "
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{c.name:14} {_f(j, '{:.3f}'):>17} {g:8.0f} {g / bound:9.2f} "
               f"{m['throughput_tokens_per_sec']:9.0f} {m['preemptions']:7d}")
 
-    print("\n== weighted VTC: the overload workload with weights short=2, others 1 ==")
+    print("\n== weighted VTC: the overload workload with weights short=2, others 1; seed 0, virtual clock ==")
     w = {"short": 2}
     res = run(overload(0, n_per_user=400 // scale), CONTENDERS[0], weights=w)
     tr = res.scheduler.trace
@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"   raw service while all backlogged: {', '.join(f'{u}={v:.0f}' for u, v in acc.items())}; "
           f"short / mean(others) = {acc['short'] / others:.2f} (weight ratio 2)")
 
-    print(f"\n== flood: A submits {n_flood} requests at once; B and C send small requests (Poisson 2/s each) ==")
+    print(f"\n== flood: A submits {n_flood} requests at once; B and C send small requests (Poisson 2/s each); seed 0, virtual clock ==")
     print(f"{'policy':14} {'B+C TTFT p50':>12} {'p99':>8} {'max':>8} {'max wait ticks':>14} {'A thr tok/s':>11} "
           f"{'all tok/s':>9} {'isolated':>8}")
     flood_reqs = flood(0, n_flood=n_flood)
@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"   derived bound at the front of the order: aging_ticks + (K+1)*(chunks+max_tokens) + 1 = "
           f"{fr.admission_wait_bound(32, k, work)} ticks (aging 32, K={k}, work {work})")
 
-    print("\n== returning user: A and C backlogged; B idles, then returns with 200 requests at t = 8 s ==")
+    print("\n== returning user: A and C backlogged; B idles, then returns with 200 requests at t = 8 s; seed 0, virtual clock ==")
     print(f"{'policy':14} {'B share after return':>20} {'fair':>5}")
     series = None
     for c in CONTENDERS:
