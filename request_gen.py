@@ -103,14 +103,17 @@ def load_trace(
     users: int = 1,
     seed: int = 0,
 ) -> list[Request]:
-    """Requests from a normalised trace CSV (``arrival_s,prompt_tokens,output_tokens,user_id``).
+    """Requests from a normalised trace CSV (``arrival_s,prompt_tokens,output_tokens,user_id``;
+    ``user`` is read as ``user_id`` when the file has no ``user_id`` value).
 
     Args:
         path: a CSV path, or a file name in ``../shared/traces/``.
         limit: keep only the first ``limit`` rows (``None``: all).
         time_scale: multiply every arrival offset by this (0.5 replays twice as fast).
-        users: the traces carry no user id; an empty ``user_id`` becomes ``u1``..``u<users>``,
-            drawn with ``seed``. A non-empty id in the file is kept.
+        users: the production traces carry no user id; an empty ``user_id`` becomes
+            ``u1``..``u<users>``, drawn with ``seed``. A non-empty id in the file is kept: the
+            ``user_id`` column, or else a ``user`` column (the anchor traces in
+            ``../shared/traces/anchors/`` name it so).
         seed: seed for prompt token ids and user assignment.
 
     Returns:
@@ -153,7 +156,7 @@ def load_trace(
             raise ValueError(f"{where}: arrival_s {row['arrival_s']!r} times time_scale {time_scale} is not finite")
         if plen < 0 or olen < 0:
             raise ValueError(f"{where}: token counts must be >= 0, got prompt_tokens={plen}, output_tokens={olen}")
-        user = (row.get("user_id") or "").strip() or f"u{rng.randint(1, users)}"
+        user = (row.get("user_id") or row.get("user") or "").strip() or f"u{rng.randint(1, users)}"
         out.append(
             Request(
                 user_id=user,

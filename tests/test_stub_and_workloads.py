@@ -69,6 +69,18 @@ def test_load_trace_keeps_lengths_and_arrivals(tmp_path):
         request_gen.load_trace(tmp_path / "missing.csv")
 
 
+def test_load_trace_reads_a_user_column(tmp_path):
+    # The anchor traces (../shared/traces/anchors/) name the column ``user``, not ``user_id``.
+    p = tmp_path / "anchor.csv"
+    p.write_text("arrival_s,prompt_tokens,output_tokens,user\n0.1,10,5,A\n0.2,20,7,B\n0.3,30,9,\n")
+    rs = request_gen.load_trace(p, users=3, seed=1)
+    assert [r.user_id for r in rs[:2]] == ["A", "B"]
+    assert rs[2].user_id in {"u1", "u2", "u3"}  # an empty one is drawn, as for user_id
+    both = tmp_path / "both.csv"  # user_id wins where both columns have a value
+    both.write_text("arrival_s,prompt_tokens,output_tokens,user_id,user\n0,10,5,alice,A\n0,10,5,,B\n")
+    assert [r.user_id for r in request_gen.load_trace(both)] == ["alice", "B"]
+
+
 @pytest.mark.skipif(not request_gen.TRACES_DIR.exists(), reason="../shared/traces is not beside this checkout")
 def test_shared_trace_loads_by_name():
     rs = request_gen.load_trace("norm_azure2023_code.csv", limit=50)
