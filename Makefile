@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: run test verify bench bench-big bench-cold clean
+.PHONY: run test verify bench bench-big bench-cold bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,5 +45,25 @@ bench-big: $(BENCH_STAMP)
 bench-cold: $(RUN_STAMP)
 	$(BIN)/python bench/cold_fairness.py $(ARGS)
 
+# Batch beside vLLM's own V1 scheduler on one simulated clock (bench/vllm_compare.py; ARGS="--traces DIR").
+# An optional extra: its own venv, .venv-vllm (about 3 minutes and 2.2 GB, no GPU), never touched by
+# `make run` or `make test`, and nothing is installed into .venv. Recipe: ../shared/guides/vllm-comparison.md.
+VLLM_VENV := .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/pip install -q
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+
+$(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) $$(grep -E '^torch==' bench/requirements-vllm.txt)
+	$(VLLM_PIP) --no-deps -r bench/requirements-vllm-nodeps.txt
+	$(VLLM_PIP) -r bench/requirements-vllm.txt
+	touch $@
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python bench/vllm_compare.py $(ARGS)
+
 clean:
 	rm -rf $(VENV)
+
+clean-vllm:
+	rm -rf $(VLLM_VENV)

@@ -1,0 +1,157 @@
+"""bench/vllm_compare.py without vLLM: the Batch driver's timings on hand-made traces, the metrics
+helper against hand-computed values, the three A/B timings; the vLLM driver only where vllm is
+installed (``make bench-vllm`` puts it in .venv-vllm; CI never installs it)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import vllm_compare as vc  # noqa: E402
+from policy import FCFSPolicy  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+
+T = vc.TraceRequest
+IT = 0.006  # one iteration with one request: 5 ms + 1 ms
+
+
+def fcfs(reqs, **kw):
+    return vc.run_batch(reqs, factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k), name="Batch-FCFS", **kw)
+
+
+def by_id(run: vc.Run) -> dict[str, vc.Timing]:
+    return {t.rid: t for t in run.timings}
+
+
+@pytest.mark.parametrize("prompt", [1, 63, 64, 65, 128, 200])
+def test_one_request_alone_prefills_in_64_token_chunks(prompt):
+    run = vc.run_batch([T("r", "u1", 0.5, prompt, 5)])
+    t = by_id(run)["r"]
+    chunks = math.ceil(prompt / 64)
+    assert t.submit_s == pytest.approx(0.5)  # idle until it arrives: submitted at its arrival
+    assert t.first_s - t.arrival_s == pytest.approx(chunks * IT)
+    assert t.done_s - t.arrival_s == pytest.approx((chunks + 4) * IT)
+    assert t.output_tokens == 5 and run.steps == chunks + 4 and run.preemptions == 0
+    s = vc.summarize(run)
+    assert s.ttft_p50_s == pytest.approx(chunks * IT) and s.tpot_p99_s == pytest.approx(IT)
+    assert s.throughput_tok_s == pytest.approx(5 / ((chunks + 4) * IT))
+    assert s.cpu_us_per_step > 0
+
+
+def test_batched_requests_share_iterations_and_eos_ends_each_at_its_length():
+    run = vc.run_batch([T("a", "u1", 0.0, 10, 3), T("b", "u2", 0.0, 10, 5)])
+    a, b = by_id(run)["a"], by_id(run)["b"]
+    assert a.first_s == b.first_s == pytest.approx(0.007)  # both in one 7 ms iteration
+    assert a.done_s == pytest.approx(3 * 0.007)
+    assert b.done_s == pytest.approx(3 * 0.007 + 2 * IT)  # alone after a finished
+    assert (a.output_tokens, b.output_tokens) == (3, 5)
+
+
+def test_a_request_is_submitted_at_the_first_step_boundary_after_its_arrival():
+    run = fcfs([T("a", "A", 0.0, 10, 10), T("b", "B", 0.004, 10, 2)])
+    b = by_id(run)["b"]
+    assert b.submit_s == pytest.approx(IT)  # arrived mid-iteration; handed over when it ended
+    assert b.first_s == pytest.approx(IT + 0.007)
+
+
+def test_percentile_linear_interpolation():
+    assert vc.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert vc.percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert vc.percentile([1, 2, 3, 4], 0) == 1 and vc.percentile([1, 2, 3, 4], 100) == 4
+    assert vc.percentile([5.0], 99) == 5.0
+    assert math.isnan(vc.percentile([], 50))
+
+
+def test_summarize_against_hand_computed_values():
+    run = vc.Run("x", [vc.Timing("r1", "u", 0.0, 0.0, 0.1, 0.5, 5),
+                       vc.Timing("r2", "u", 1.0, 1.01, 1.3, 2.0, 1),
+                       vc.Timing("r3", "u", 0.5, 0.5, 0.9, 1.9, 11)],
+                 preemptions=3, steps=4, sched_cpu_s=0.002)
+    s = vc.summarize(run)
+    assert s.output_tokens == 17 and s.requests == 3
+    assert s.throughput_tok_s == pytest.approx(17 / 2.0)  # last completion 2.0 - first arrival 0.0
+    # TTFT from nominal arrival: 0.1, 0.3, 0.4
+    assert s.ttft_p50_s == pytest.approx(0.3) and s.ttft_p99_s == pytest.approx(0.3 + 0.1 * 0.98)
+    # TPOT of requests with >= 2 tokens: 0.4 / 4 = 0.1 and 1.0 / 10 = 0.1
+    assert s.tpot_p50_s == pytest.approx(0.1) and s.tpot_p99_s == pytest.approx(0.1)
+    # e2e: 0.5, 1.0, 1.4
+    assert s.e2e_p50_s == pytest.approx(1.0) and s.e2e_p99_s == pytest.approx(1.0 + 0.4 * 0.98)
+    assert s.preemptions == 3 and s.steps == 4 and s.cpu_us_per_step == pytest.approx(500.0)
+
+
+def test_three_ab_timings_on_a_tiny_trace():
+    # A: two requests at 0 (prompt 10, 10 tokens); B: one arriving at 4 ms (prompt 10, 2 tokens).
+    reqs = [T("a1", "A", 0.0, 10, 10), T("a2", "A", 0.0, 10, 10), T("b1", "B", 0.004, 10, 2)]
+    r = vc.ab_ratios(fcfs, reqs)
+    # at once: all three prefill together in an 8 ms iteration; B alone: 6 ms
+    assert r.medians["at once"] == pytest.approx((0.008, 0.006))
+    # timed: B waits for A's first 7 ms iteration (submitted at 7 ms), then joins an 8 ms one.
+    # Alone: submitted at its arrival, first token 6 ms later.
+    assert r.medians["from submit"] == pytest.approx((0.008, 0.006))
+    assert r.medians["from arrival"] == pytest.approx((0.015 - 0.004, 0.006))
+    assert r.ratio("from arrival") == pytest.approx(11 / 6)
+    lines = vc.ab_lines([r])
+    assert "1.83x" in lines[-1] and len(lines) == 3
+
+
+def test_ab_ratios_reuses_the_timed_run_it_is_given():
+    reqs = [T("a1", "A", 0.0, 10, 10), T("b1", "B", 0.004, 10, 2)]
+    timed = fcfs(reqs)
+    calls = []
+
+    def counting(rs, **kw):
+        calls.append((len(rs), kw.get("at_once", False)))
+        return fcfs(rs, **kw)
+
+    vc.ab_ratios(counting, reqs, timed_with=timed)
+    assert sorted(calls) == [(1, False), (1, True), (2, True)]
+
+
+def test_traces_dir_flag_then_env_then_default(monkeypatch, tmp_path):
+    monkeypatch.delenv(vc.TRACES_ENV, raising=False)
+    assert vc.traces_dir() == ROOT.parent / "shared" / "traces" / "anchors"
+    monkeypatch.setenv(vc.TRACES_ENV, str(tmp_path))
+    assert vc.traces_dir() == tmp_path
+    assert vc.traces_dir("elsewhere") == Path("elsewhere")
+
+
+def test_load_requests_keeps_the_user_column(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text("arrival_s,prompt_tokens,output_tokens,user\n0.1,10,5,A\n0.2,70,3,B\n")
+    assert vc.load_requests(p) == [T("t0", "A", 0.1, 10, 5), T("t1", "B", 0.2, 70, 3)]
+
+
+def test_batch_only_command_line_without_vllm(tmp_path):
+    (tmp_path / vc.AB_TRACE).write_text("arrival_s,prompt_tokens,output_tokens,user\n"
+                                        "0.0,10,10,A\n0.0,10,10,A\n0.004,10,2,B\n")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_compare.py"), "--batch-only", "--no-sweep",
+                        "--traces", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert f"| `{vc.AB_TRACE}` | Batch |" in p.stdout and "from arrival" in p.stdout
+    assert "vLLM" not in p.stdout.split("\n\n", 1)[1]  # no vLLM row; the module never imported it
+
+
+def test_module_import_does_not_import_vllm():
+    code = ("import sys; sys.path.insert(0, 'bench'); import vllm_compare; "
+            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+
+
+def test_vllm_driver_on_a_tiny_trace():
+    pytest.importorskip("vllm")
+    # Alone, vLLM lifts the 64-token threshold (nobody to starve): a 100-token prompt in one step.
+    alone = by_id(vc.run_vllm([T("r", "u1", 0.0, 100, 5)]))["r"]
+    assert alone.first_s == pytest.approx(IT) and alone.done_s == pytest.approx(5 * IT)
+    # Two together: chunks of at most 64 tokens, so 100 tokens take two 7 ms steps.
+    run = vc.run_vllm([T("a", "u1", 0.0, 100, 3), T("b", "u2", 0.0, 100, 4)])
+    a, b = by_id(run)["a"], by_id(run)["b"]
+    assert a.first_s == b.first_s == pytest.approx(2 * 0.007)
+    assert a.done_s == pytest.approx(4 * 0.007) and b.done_s == pytest.approx(4 * 0.007 + IT)
+    assert (a.output_tokens, b.output_tokens) == (3, 4) and run.preemptions == 0
