@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from heapq import heapify, heappop, heappush, heapreplace, merge
+from heapq import merge
 from typing import Any, Iterator, Protocol, Sequence
 
 from spec import fairness_rules as fr
@@ -218,17 +218,24 @@ class VTCPolicy:
     Each user has a counter of the service it received: ``prompt_price`` (w_p = 1) per prompt
     token processed, charged once per request (a recompute after preemption is free), and
     ``output_price`` (w_q = 2) per output token, as produced; every charge is divided by the
-    user's weight (``spec.fairness_rules.charged_counter``). Admission picks the backlogged user
-    with the smallest counter and tries its oldest waiting request; within one iteration it
-    charges each admitted request's prompt in advance, so admissions interleave users. Ties go
-    to the user admitted least recently. When a user goes from idle to backlogged its counter
-    is lifted to the smallest counter among the other backlogged users
-    (``lifted_counter``). A preempted request returns ahead of its user's later arrivals. The
-    victim under KV pressure is the latest admitted request of a user holding more than its
-    weighted share of the KV blocks (by blocks, not by counter: see ``docs/fairness.md``).
+    user's weight (``spec.fairness_rules.charged_counter``). Admission considers the backlogged
+    users whose counter lies within ``tolerance_tokens`` of the smallest (``vtc_eligible``) and
+    tries, among their waiting requests, the oldest arrival first: while no user's service runs
+    ahead of the least-served one by more than the tolerance, admission is first come, first
+    served; a user that does is passed over until the others catch up. Within one iteration it
+    charges each admitted request's prompt in advance, so admissions interleave users. When a
+    user goes from idle to backlogged its counter is lifted to ``tolerance_tokens`` below the
+    smallest counter among the other backlogged users (``lifted_counter``): the others, at most
+    the tolerance above it, may not run further ahead, so a returning user is served in turn at
+    once instead of queueing behind the older requests of everyone in the band. A preempted
+    request returns ahead of its user's later arrivals. The victim under KV pressure is chosen
+    by ``choose_victim`` (by KV blocks, not by counter: see ``docs/fairness.md``).
 
     Args:
         weights: user id -> int weight >= 1 (weighted fair share); absent users weigh 1.
+        tolerance_tokens: the fairness tolerance, weighted tokens (int >= 0; default
+            ``spec.fairness_rules.TOLERANCE_TOKENS``, 0: the VTC paper's least-counter order).
+            The counter-gap bound grows by it (``docs/fairness.md`` section 5).
         prompt_price: w_p, counter charge per prompt token (int >= 0).
         output_price: w_q, counter charge per output token (int >= 0).
         backfill: admission may pass a waiting request that does not fit (the scheduler
@@ -254,19 +261,22 @@ class VTCPolicy:
             token_budget_tokens)``, told by ``before_admission``).
 
     Raises:
-        ValueError: a weight is not an int >= 1, or a price is not an int >= 0, or both are 0,
+        ValueError: a weight is not an int >= 1, or a price or ``tolerance_tokens`` is not an
+            int >= 0, or both prices are 0,
             or ``prefill_chunk_tokens`` is not ``None`` or an int >= 1, or a flag is not a bool.
 
-    Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
-    waiting; ``admission_order`` O(k log k) for k requests tried; ``on_service`` O(1). In the
-    drain phase (at most half as many waiting as resident) ``remove`` is O(position in its
-    user's queue) and ``admission_order`` sorts each user's queue it reaches.
+    Cost: ``add``/``requeue`` O(U) (U backlogged users) when the user was idle, else O(1);
+    ``remove`` O(1) in the number waiting; ``admission_order`` O(U) to start and O(U) per
+    request yielded; ``on_service`` O(1). In the drain phase (at most half as many waiting as
+    resident) ``remove`` is O(position in its user's queue) and ``admission_order`` sorts each
+    user's queue.
 
     Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), the VTC algorithm;
     artifact ``Ying1123/VTC-artifact`` (``vtc_req_queue.py``).
     """
 
-    def __init__(self, *, weights: dict[str, int] | None = None, prompt_price: int = fr.PROMPT_PRICE,
+    def __init__(self, *, weights: dict[str, int] | None = None, tolerance_tokens: int = fr.TOLERANCE_TOKENS,
+                 prompt_price: int = fr.PROMPT_PRICE,
                  output_price: int = fr.OUTPUT_PRICE, backfill: bool = False, isolation: bool = True,
                  admission_headroom: bool = True, easy_backfill: bool = True, drain_longest_first: bool = True,
                  resume_decodes_first: bool = True, prefill_chunk_tokens: int | None = None) -> None:
@@ -274,7 +284,8 @@ class VTCPolicy:
         for user, w in weights.items():
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
                 raise ValueError(f"weight of user {user!r} must be an int >= 1, got {w!r}")
-        for name, p in (("prompt_price", prompt_price), ("output_price", output_price)):
+        for name, p in (("prompt_price", prompt_price), ("output_price", output_price),
+                        ("tolerance_tokens", tolerance_tokens)):
             if isinstance(p, bool) or not isinstance(p, int) or p < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {p!r}")
         for name, flag in (("backfill", backfill), ("isolation", isolation), ("admission_headroom", admission_headroom),
@@ -294,14 +305,11 @@ class VTCPolicy:
         self.prompt_price = prompt_price
         self.output_price = output_price
         self._weights = weights
+        self.tolerance_tokens = tolerance_tokens
+        self._tolerance = tolerance_tokens * fr.COUNTER_SCALE  # counter units
         self._q = _Waiting()
         self._counter: dict[str, int] = {}
         self._unfolded: dict[str, list[int]] = {}  # [prompt, output] tokens not yet in the counter
-        self._last_admit: dict[str, int] = {}
-        self._user_no: dict[str, int] = {}
-        self._ver: dict[str, int] = {}
-        self._heap: list[list[Any]] = []  # [counter, last_admit, user_no, ver, user]; lazy
-        self._admits = 0
         self.drain_longest_first = drain_longest_first
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._chunk_tokens = prefill_chunk_tokens or 64  # the chunk the drain order counts in (tokens)
@@ -365,17 +373,13 @@ class VTCPolicy:
                     break
                 self._passes[q] = self._passes.get(q, 0) + 1
         self.discard(seq)
-        self._admits += 1
-        self._last_admit[seq.user_id] = self._admits  # the key grows: the heap entry goes stale
 
     def discard(self, seq: Any) -> None:
-        """``seq`` was aborted while waiting: it leaves the queue without passing anyone and
-        without counting as an admission.
+        """``seq`` was aborted while waiting: it leaves the queue without passing anyone.
 
-        ``remove`` counts a drain-phase admission as a pass of the user's older requests and
-        stamps the user's last admission (the counter tie-break); an abort is neither. Counting
-        it as a pass would read the drain phase of whichever ``schedule()`` ran last; stamping
-        it would send the user to the back of every counter tie for a request it never got.
+        ``remove`` counts a drain-phase admission as a pass of the user's older requests; an
+        abort is not one (counting it would read the drain phase of whichever ``schedule()`` ran
+        last).
         """
         self._passes.pop(seq, None)
         self._q.discard(seq)
@@ -386,45 +390,11 @@ class VTCPolicy:
                 del r[i]
 
     def _activate(self, user: str) -> None:
-        """The user went idle -> backlogged: lift its counter, give it a fresh heap entry."""
-        if user not in self._user_no:
-            self._user_no[user] = len(self._user_no)
-        self._ver[user] = self._ver.get(user, 0) + 1  # invalidates the user's old entries
-        m = self._min_backlogged_counter()
-        self._counter[user] = fr.lifted_counter(self.counter(user), 0 if m is None else m, m is not None)
-        self._push(user)
-
-    def _key(self, user: str) -> list[Any]:
-        return [self.counter(user), self._last_admit.get(user, 0), self._user_no[user], self._ver[user], user]
-
-    def _push(self, user: str) -> None:
-        heappush(self._heap, self._key(user))
-        if len(self._heap) > 2 * len(self._q.users) + 64:  # drop dead entries now and then
-            self._heap = [self._key(u) for u in self._q.users]
-            heapify(self._heap)
-
-    def _valid(self, entry: list[Any]) -> bool:
-        user = entry[4]
-        return entry[3] == self._ver.get(user) and self._q.backlogged(user)
-
-    def _min_backlogged_counter(self) -> int | None:
-        """Smallest counter among backlogged users (other than one being activated), or None.
-
-        Pops dead entries and re-keys stale ones at the top; a stored key is never above the
-        true key (counters and admission stamps only grow), so the first exact top is the minimum.
-        """
-        h = self._heap
-        while h:
-            top = h[0]
-            if not self._valid(top):
-                heappop(h)
-                continue
-            key = self._key(top[4])
-            if key[:3] != top[:3]:
-                heapreplace(h, key)
-                continue
-            return top[0]
-        return None
+        """The user went idle -> backlogged: lift its counter (``lifted_counter``) against the
+        least counter among the other backlogged users."""
+        others = [self.counter(u) for u in self._q.users if u != user]
+        least = min(others, default=0)
+        self._counter[user] = fr.lifted_counter(self.counter(user), least, bool(others), self._tolerance)
 
     def before_admission(self, resident_requests: int, prefill_chunk_tokens: int | None = None) -> None:
         """Called by the scheduler in every ``schedule()``: enter or leave the drain phase.
@@ -467,48 +437,32 @@ class VTCPolicy:
         return iter(self._resumed if self.resume_decodes_first else ())
 
     def admission_order(self) -> Iterator[Any]:
-        """Waiting requests in VTC order, lazily: smallest counter first, each user's oldest first.
+        """Waiting requests in admission order, lazily: among the backlogged users within the
+        tolerance of the least counter (``vtc_eligible``), the oldest waiting request first
+        (arrival number; a preempted request keeps its own), each user's requests in its own
+        order (arrival, or the drain order).
 
         Between yields the counter of the user just yielded is advanced by its request's
         uncharged prompt (as VTC charges at admission), on a local copy: the policy's state
-        does not change (only its heap is tidied).
+        does not change.
         """
-        self._min_backlogged_counter()  # tidy the top: its key is exact now
-        heap = self._heap
-        price = self.prompt_price
-        aux: list[tuple[Any, ...]] = [(heap[0][0], heap[0][1], heap[0][2], 0)] if heap else []
-        local: list[list[Any]] = []  # [counter, last_admit, user_no, user, iterator]
-        seen: set[str] = set()
-        stamp = self._admits
-        while True:
-            # Move heap entries whose stored key is not above the local minimum into `local`,
-            # with their exact key; the rest cannot be smaller.
-            while aux and (not local or aux[0][:3] <= tuple(local[0][:3])):
-                _, _, _, i = heappop(aux)
-                for j in (2 * i + 1, 2 * i + 2):
-                    if j < len(heap):
-                        e = heap[j]
-                        heappush(aux, (e[0], e[1], e[2], j))
-                entry = heap[i]
-                user = entry[4]
-                if user in seen or not self._valid(entry):
-                    continue
-                seen.add(user)
-                heappush(local, [self.counter(user), self._last_admit.get(user, 0), entry[2], user,
-                                 self._user_order(user)])
-            if not local:
-                return
-            top = local[0]
-            seq = next(top[4], None)
-            if seq is None:
-                heappop(local)
-                continue
+        price, tol = self.prompt_price, self._tolerance
+        live: dict[str, list[Any]] = {}  # user -> [local counter, head request, the rest]
+        for user in self._q.users:
+            rest = self._user_order(user)
+            head = next(rest, None)
+            if head is not None:
+                live[user] = [self.counter(user), head, rest]
+        while live:
+            least = min(v[0] for v in live.values())
+            user, v = min(((u, v) for u, v in live.items() if fr.vtc_eligible(v[0], least, tol)),
+                          key=lambda uv: uv[1][1].arrival_no)
+            seq = v[1]
             yield seq
-            stamp += 1
-            user = top[3]
-            top[0] = fr.charged_counter(top[0], price * _uncharged_prompt_tokens(seq), self.weight_of(user))
-            top[1] = stamp
-            heapreplace(local, top)
+            v[0] = fr.charged_counter(v[0], price * _uncharged_prompt_tokens(seq), self.weight_of(user))
+            v[1] = next(v[2], None)
+            if v[1] is None:
+                del live[user]
 
     # -------------------------------------------------------- preemption
 

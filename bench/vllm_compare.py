@@ -512,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated trace file names (or stems) to run")
     p.add_argument("--batch-only", action="store_true", help="Batch's side only (no vllm needed)")
     p.add_argument("--fcfs", action="store_true", help="also Batch with policy.FCFSPolicy() (arrival order)")
+    p.add_argument("--tolerance", type=int, action="append", default=[], metavar="TOKENS",
+                   help="also Batch with VTCPolicy(tolerance_tokens=TOKENS) (repeatable)")
     p.add_argument("--no-sweep", action="store_true", help="skip the steady-state CPU-per-step sweep")
     p.add_argument("--vllm-threshold", type=int, default=CHUNK_TOKENS,
                    help="vLLM's long_prefill_token_threshold (default 64, Batch's chunk; 0: vLLM's default, none)")
@@ -530,6 +532,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         def run_fcfs(reqs, **kw):
             return run_batch(reqs, factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k), name="Batch-FCFS", **kw)
         runners.append(("Batch-FCFS", run_fcfs))
+    for tol in a.tolerance:
+        if tol < 0:
+            p.error(f"--tolerance must be >= 0, got {tol}")
+        from policy import VTCPolicy  # noqa: PLC0415
+
+        def run_tol(reqs, tol=tol, **kw):
+            return run_batch(reqs, factory=lambda **k: Scheduler(policy=VTCPolicy(tolerance_tokens=tol), **k),
+                             name=f"Batch-T{tol}", **kw)
+        runners.append((f"Batch-T{tol}", run_tol))
     if not a.batch_only:
         vname = f"vLLM (thr {a.vllm_threshold})"
         try:

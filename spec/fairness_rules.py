@@ -46,14 +46,35 @@ def charged_counter(counter: Int, units: Int, weight: Int) -> Int:
     return counter + cdiv(units * COUNTER_SCALE, weight)
 
 
-def lifted_counter(own: Int, min_backlogged: Int, others_backlogged: Bool) -> Int:
+#: Default fairness tolerance of ``VTCPolicy``, weighted tokens: users whose counters lie within
+#: this of the least backlogged counter are served in arrival order (``vtc_eligible``). 0, the
+#: VTC paper's order: a tolerance of one KV cache's worth (4096) serves balanced load close to
+#: arrival order, but a light user arriving early in another user's burst then waits behind
+#: that burst's older requests (``docs/fairness.md`` section 3 has the measurements).
+TOLERANCE_TOKENS = 0
+
+
+def lifted_counter(own: Int, min_backlogged: Int, others_backlogged: Bool, tolerance: Int) -> Int:
     """A user's counter when its waiting queue goes from empty to non-empty.
 
-    With other users backlogged it becomes ``max(own, min over their counters)`` so idle time
-    banks no credit; with none, it keeps its own. Source: the VTC paper, artifact
-    ``VTCReqQueue.append``.
+    With other users backlogged it becomes ``max(own, min over their counters - tolerance - 1)``:
+    idle time banks at most ``tolerance + 1`` counter units of credit, and a returning user
+    starts one unit (1/``COUNTER_SCALE`` of a weighted token) below the band of the least
+    backlogged counter, so every user in that band is past its own band (``vtc_eligible``) and
+    is passed over until the newcomer has been served: it does not queue behind their older
+    requests (some of which, preempted decodes, cost no prompt charge to admit). With none
+    backlogged it keeps its own. ``tolerance = 0`` is the VTC paper's lift (artifact
+    ``VTCReqQueue.append``) with the tie going to the newcomer.
     """
-    return If(others_backlogged, Max(own, min_backlogged), own)
+    return If(others_backlogged, Max(own, min_backlogged - tolerance - 1), own)
+
+
+def vtc_eligible(local_counter: Int, least_counter: Int, tolerance: Int) -> Bool:
+    """Whether a backlogged user may be served next: its counter is within ``tolerance`` (counter
+    units, >= 0) of the least counter among backlogged users. Among the eligible users admission
+    goes by arrival; ``tolerance = 0`` is VTC's least-counter rule (ties by arrival).
+    """
+    return local_counter <= least_counter + tolerance
 
 
 def new_prompt_tokens(num_computed_tokens: Int, num_new_tokens: Int, num_prompt_tokens: Int,

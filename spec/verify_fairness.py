@@ -72,8 +72,9 @@ class _User:
         return (self.c if c is None else c) + (self.rho if rho is None else rho) * (fr.COUNTER_SCALE // self.w)
 
 
-def _gap_steps(p: _User, q: _User, cap: Any) -> list[tuple[str, list, list]]:
-    """The steps of the gap proof: ``(name, guard, [(variable, value after)])``."""
+def _gap_steps(p: _User, q: _User, cap: Any, tol: Any) -> list[tuple[str, list, list]]:
+    """The steps of the gap proof: ``(name, guard, [(variable, value after)])``; ``tol`` is the
+    fairness tolerance, counter units."""
     z3 = _z3()
     steps = []
     for who, other in ((p, q), (q, p)):
@@ -81,7 +82,8 @@ def _gap_steps(p: _User, q: _User, cap: Any) -> list[tuple[str, list, list]]:
         units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
         local = who.c + who.a  # the admission order's local copy of the counter
         guard = [x_in >= 0, x_out >= 0, who.rho + units <= cap,
-                 local <= other.c + other.a]  # VTC: the least (local) counter among backlogged users
+                 # VTC with a tolerance: within tol of the least (local) counter among backlogged users
+                 fr.vtc_eligible(local, Min(local, other.c + other.a), tol)]
         after = [(who.a, fr.charged_counter(local, fr.PROMPT_PRICE * x_in, who.w) - who.c), (who.rho, who.rho + units)]
         steps.append((f"admission of a request of {who.tag}", guard, after))
     sp_in, sp_out, sq_in, sq_out = z3.Ints("served_prompt_p served_output_p served_prompt_q served_output_q")
@@ -119,56 +121,62 @@ def _gap_step_proof(weights: tuple[int, int], cap_of: Any, g_of: Any, timeout_s:
     """Every step preserves the invariant; returns ``("proved", None)`` or the failing step's record."""
     z3 = _z3()
     p, q = _User("p", weights[0]), _User("q", weights[1])
-    cap = z3.Int("max_resident_units")
+    cap, tol = z3.Ints("max_resident_units tolerance")
     g_pq, g_qp = z3.Ints("G_pq G_qp")
-    base = [cap >= 0, cap_of(cap), g_of(g_pq, cap), g_of(g_qp, cap)]
+    base = [cap >= 0, tol >= 0, cap_of(cap, tol), g_of(g_pq, cap, tol), g_of(g_qp, cap, tol)]
     pre = [g for _, g in _gap_inv(p, q, cap, g_pq, g_qp)]
-    for name, guard, after in _gap_steps(p, q, cap):
+    for name, guard, after in _gap_steps(p, q, cap, tol):
         status, info = _prove([*base, *pre, *guard], _gap_inv(p, q, cap, g_pq, g_qp, after), timeout_s)
         if status != "proved":
-            return status, (name, info, p, q, cap, g_pq, g_qp)
+            return status, (name, info, p, q, cap, g_pq, g_qp, tol)
     return "proved", None
 
 
 def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
     """A third user ``n`` becomes backlogged beside backlogged ``p`` and ``q`` (equal weights):
-    after the lift, ``J(p, n)`` and ``J(q, n)`` hold; ``J(n, .)`` too when the lift raised ``n``."""
+    after the lift, ``J(p, n)`` and ``J(q, n)`` hold with ``G + tol + 1`` (the newcomer starts up
+    to the tolerance and one unit below the least counter); ``J(n, .)`` holds with ``G`` when the
+    lift raised ``n``."""
     z3 = _z3()
-    cp, cq, cn, rp, rq, rn, cap, g = z3.Ints("counter_p counter_q counter_n R_p R_q R_n max_resident_units G")
+    cp, cq, cn, rp, rq, rn, cap, g, tol = z3.Ints(
+        "counter_p counter_q counter_n R_p R_q R_n max_resident_units G tolerance")
     unit = fr.COUNTER_SCALE
     U = cap * unit
-    lifted = fr.lifted_counter(cn, Min(cp, cq), True)
-    pre = [cap >= 0, g >= 2 * U, *(And(0 <= r, r <= U) for r in (rp, rq, rn)),
+    lifted = fr.lifted_counter(cn, Min(cp, cq), True, tol)
+    pre = [cap >= 0, tol >= 0, g >= 2 * U + tol, *(And(0 <= r, r <= U) for r in (rp, rq, rn)),
            cp + rp - cq <= g, cq + rq - cp <= g]
-    goals = [("J(p,n) after the lift", cp + rp - lifted <= g), ("J(q,n) after the lift", cq + rq - lifted <= g),
+    goals = [("J(p,n) after the lift", cp + rp - lifted <= g + tol + 1),
+             ("J(q,n) after the lift", cq + rq - lifted <= g + tol + 1),
              ("J(n,p), J(n,q) when the lift raised n",
-              Implies(cn <= Min(cp, cq), And(lifted + rn - cp <= g, lifted + rn - cq <= g)))]
+              Implies(cn <= Min(cp, cq) - tol - 1, And(lifted + rn - cp <= g, lifted + rn - cq <= g)))]
     status, info = _prove(pre, goals, timeout_s)
     if status == "counterexample":
         m, bad = info
         return status, StateCounterexample("lift of a third user n beside backlogged p, q", bad, {
             "counters p, q, n": (_val(m, cp), _val(m, cq), _val(m, cn)),
             "R p, q, n": (_val(m, rp), _val(m, rq), _val(m, rn)),
-            "G": _val(m, g), "n after the lift": _val(m, lifted)})
+            "G": _val(m, g), "tolerance": _val(m, tol), "n after the lift": _val(m, lifted)})
     return status, info
 
 
 @register("vtc_counter_gap",
           "two continuously backlogged users p, q (weights w_p, w_q): J(p,q) = c_p + R_p - c_q <= G is "
-          "inductive for every G >= U_p + U_q, U_u = N*(w_p*L_in + w_q*M)*SCALE/w_u (R_u: charge still to come "
-          "from u's resident requests, <= U_u), under admission by least counter (with the tick's advance "
-          "prompt charges), charge per iteration (charged_counter, service_units), preemption; hence "
-          "c_p - c_q <= U_p + U_q (docs/fairness.md section 5); the lift of a newcomer keeps it")
+          "inductive for every tolerance T >= 0 and G >= U_p + U_q + T, U_u = N*(w_p*L_in + w_q*M)*SCALE/w_u "
+          "(R_u: charge still to come from u's resident requests, <= U_u), under admission of any user within T "
+          "of the least counter (vtc_eligible, with the tick's advance prompt charges), charge per iteration "
+          "(charged_counter, service_units), preemption; hence c_p - c_q <= U_p + U_q + T (docs/fairness.md "
+          "section 5); a newcomer lifted to T + 1 below the least counter starts within G + T + 1 of the others")
 def check_vtc_counter_gap(opts: Options) -> Outcome:
     """Inductive step per step kind, per weight pair in ``GAP_WEIGHTS``; symbolic service per step."""
     bound = (f"unbounded (any counters, any service per iteration up to what is resident, any resident cap "
              f"N*(w_p*L_in+w_q*M)); weight pairs {list(GAP_WEIGHTS)}")
     for w in GAP_WEIGHTS:
-        status, info = _gap_step_proof(w, lambda cap: True,
-                                       lambda g, cap, w=w: g >= vtc_counter_gap_bound_units(cap, *w), opts.timeout_s)
+        status, info = _gap_step_proof(w, lambda cap, tol: True,
+                                       lambda g, cap, tol, w=w: g >= vtc_counter_gap_bound_units(cap, *w) + tol,
+                                       opts.timeout_s)
         if status == "counterexample":
-            name, (m, bad), p, q, cap, g_pq, g_qp = info
-            values = {"weights (p, q)": w, "max_resident_units": _val(m, cap),
+            name, (m, bad), p, q, cap, g_pq, g_qp, tol = info
+            values = {"weights (p, q)": w, "max_resident_units": _val(m, cap), "tolerance": _val(m, tol),
                       "G_pq, G_qp": (_val(m, g_pq), _val(m, g_qp))}
             for u in (p, q):
                 values[f"user {u.tag}: counter, committed units, advance"] = (
@@ -188,8 +196,8 @@ def check_vtc_counter_gap(opts: Options) -> Outcome:
     paper = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, EXAMPLE_MAX_PROMPT_TOKENS, fr.OUTPUT_PRICE,
                                      EXAMPLE_MAX_OUTPUT_TOKENS)
     paper_cap = max_resident_units(2, EXAMPLE_MAX_PROMPT_TOKENS, EXAMPLE_MAX_OUTPUT_TOKENS)
-    st_paper, _ = _gap_step_proof((1, 1), lambda cap: cap == paper_cap,
-                                  lambda g, cap: g == paper * fr.COUNTER_SCALE, opts.timeout_s)
+    st_paper, _ = _gap_step_proof((1, 1), lambda cap, tol: And(cap == paper_cap, tol == 0),
+                                  lambda g, cap, tol: g == paper * fr.COUNTER_SCALE, opts.timeout_s)
     ours = [(n, max_resident_units(n, EXAMPLE_MAX_PROMPT_TOKENS, EXAMPLE_MAX_OUTPUT_TOKENS) * 2) for n in (1, 2, 30)]
     detail = ("proved for every weight pair and every step; lift step proved. Weights 1,1, L_in=199, M=99: "
               f"paper 2*max(w_p*L_in, w_q*M) = {paper} weighted tokens; derived U_p+U_q = 2*N*(w_p*L_in+w_q*M) = "
@@ -202,24 +210,24 @@ def check_vtc_counter_gap(opts: Options) -> Outcome:
 
 
 @register("vtc_lift",
-          "lifted_counter(own, min over backlogged, others) >= min over the backlogged users' counters when "
-          "others are backlogged (no banked credit), >= own (never decreases), and == max(own, min) "
-          "(no penalty beyond the minimum); == own when no one else is backlogged")
+          "lifted_counter(own, min over backlogged, others, T) >= min over the backlogged users' counters - T - 1 "
+          "when others are backlogged (idle time banks at most the tolerance T and one unit), >= own (never "
+          "decreases), and == max(own, min - T - 1) (no penalty beyond it); == own when no one else is backlogged")
 def check_vtc_lift(opts: Options) -> Outcome:
     """Up to ``n`` other users, each backlogged or not, with any counters."""
     z3 = _z3()
     n = 4
-    own = z3.Int("own")
+    own, tol = z3.Ints("own tolerance")
     cs = z3.Ints(" ".join(f"counter_{i}" for i in range(n)))
     bl = [z3.Bool(f"backlogged_{i}") for i in range(n)]
     m = z3.Int("min_backlogged")  # what the policy passes: the least counter among backlogged users
     anyb = Or(*bl)
-    pre = [own >= 0, *(c >= 0 for c in cs), *(Implies(b, m <= c) for b, c in zip(bl, cs)),
+    pre = [own >= 0, tol >= 0, *(c >= 0 for c in cs), *(Implies(b, m <= c) for b, c in zip(bl, cs)),
            Implies(anyb, Or(*(And(b, m == c) for b, c in zip(bl, cs))))]
-    lifted = fr.lifted_counter(own, m, anyb)
-    goals = [("no banked credit", Implies(anyb, lifted >= m)),
+    lifted = fr.lifted_counter(own, m, anyb, tol)
+    goals = [("banks at most the tolerance", Implies(anyb, lifted >= m - tol - 1)),
              ("never decreases", lifted >= own),
-             ("no penalty beyond the minimum", Implies(anyb, lifted == If(own >= m, own, m))),
+             ("no penalty beyond the band", Implies(anyb, lifted == If(own >= m - tol - 1, own, m - tol - 1))),
              ("alone: keeps its own", Implies(Not(anyb), lifted == own))]
     status, info = _prove(pre, goals, opts.timeout_s)
     bound = f"unbounded counters, up to {n} other users"
@@ -227,7 +235,7 @@ def check_vtc_lift(opts: Options) -> Outcome:
     def cex(mo: Any, bad: list[str]) -> StateCounterexample:
         values = {"own": _val(mo, own),
                   "others (counter, backlogged)": [(_val(mo, c), _val(mo, b)) for c, b in zip(cs, bl)],
-                  "min_backlogged": _val(mo, m), "lifted": _val(mo, lifted)}
+                  "min_backlogged": _val(mo, m), "tolerance": _val(mo, tol), "lifted": _val(mo, lifted)}
         return StateCounterexample("lift", bad, values)
     return _outcome(status, info, bound, cex)
 
@@ -421,21 +429,26 @@ def check_sit_out_bound(opts: Options) -> Outcome:
 #: The bounded runs of the VTC pick: depth (ticks), resident slots per user, admissions per
 #: tick, longest prompt ``L_in`` and output ``M`` (tokens).
 GAP_BMC_DEPTH, GAP_BMC_SLOTS, GAP_BMC_ADMITS, GAP_BMC_MAX_PROMPT, GAP_BMC_MAX_OUTPUT = 6, 2, 2, 3, 2
+#: The bounded runs: (weights, tolerance in weighted tokens). Tolerance 0 is the VTC paper's pick;
+#: 2 weighted tokens is under one iteration's service, so both users are often eligible at once.
+GAP_BMC_RUNS: tuple[tuple[tuple[int, int], int], ...] = (((1, 1), 0), ((2, 1), 2))
 
 
 def _gap_run(weights: tuple[int, int], depth: int, slots: int, admits: int, max_prompt: int,
-             max_output: int) -> tuple[list, list, Any]:
+             max_output: int, tolerance_tokens: int = 0) -> tuple[list, list, Any]:
     """Unroll ``depth`` ticks of two backlogged users from equal counters and nothing resident.
 
-    Each tick: up to ``admits`` admissions, each of the user with the least local counter
-    (ties either way; the tick's advance prompt charges with ``charged_counter``), stopping
+    Each tick: up to ``admits`` admissions, each of either user within ``tolerance_tokens`` of
+    the least local counter (``vtc_eligible``; when both are, either: arrival order is the
+    adversary's; the tick's advance prompt charges with ``charged_counter``), stopping
     when that user's request does not fit (no free slot, or the adversary's KV/budget stop);
     then every resident request receives any service up to what it still needs and at most one
     iteration's worth (its prompt as one chunk plus one output token), charged with
     ``service_units`` / ``charged_counter``. Returns (assumptions, the counter terms per tick
-    ``[(c_p, c_q)]``, the derived bound in counter units).
+    ``[(c_p, c_q)]``, the derived bound plus the tolerance, counter units).
     """
     z3 = _z3()
+    tol = tolerance_tokens * fr.COUNTER_SCALE
     users = (0, 1)
     c = [z3.IntVal(0), z3.IntVal(0)]
     rem = [[z3.IntVal(0)] * slots for _ in users]  # weighted tokens still to serve, 0: empty slot
@@ -450,7 +463,9 @@ def _gap_run(weights: tuple[int, int], depth: int, slots: int, admits: int, max_
             tie, stop = z3.Bools(f"tie_{t}_{i} stop_{t}_{i}")
             x_in, x_out = z3.Ints(f"prompt_{t}_{i} output_{t}_{i}")
             asm += [x_in >= 0, x_in <= max_prompt, x_out >= 1, x_out <= max_output]
-            pick_p = Or(local[0] < local[1], And(local[0] == local[1], tie))
+            least = Min(local[0], local[1])
+            elig_p, elig_q = fr.vtc_eligible(local[0], least, tol), fr.vtc_eligible(local[1], least, tol)
+            pick_p = And(elig_p, Or(Not(elig_q), tie))
             units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
             new_rem, new_local = [], []
             admitted_any: Any = z3.BoolVal(False)
@@ -482,7 +497,7 @@ def _gap_run(weights: tuple[int, int], depth: int, slots: int, admits: int, max_
         rem = [[_name(rem[u][j], f"rem_{u}_{j}_{t + 1}", asm) for j in range(slots)] for u in users]
         counters.append((c[0], c[1]))
     cap = max_resident_units(slots, max_prompt, max_output)
-    return asm, counters, vtc_counter_gap_bound_units(cap, *weights)
+    return asm, counters, vtc_counter_gap_bound_units(cap, *weights) + tol
 
 
 def _name(term: Any, name: str, asm: list) -> Any:
@@ -493,29 +508,29 @@ def _name(term: Any, name: str, asm: list) -> Any:
 
 @register("vtc_counter_gap_bmc",
           "from equal counters and nothing resident, every state of two backlogged users reachable within the "
-          "depth has |c_p - c_q| <= U_p + U_q (the derived bound); the paper's 2*max(w_p*L_in, w_q*M) is "
-          "exceeded in some reachable state (printed)")
+          "depth has |c_p - c_q| <= U_p + U_q + T (the derived bound with the tolerance T); the paper's "
+          "2*max(w_p*L_in, w_q*M) is exceeded in some reachable state even with T = 0 (printed)")
 def check_vtc_counter_gap_bmc(opts: Options) -> Outcome:
-    """Bounded model checking of ``_gap_run`` for each weight pair in ``GAP_WEIGHTS[:2]``."""
+    """Bounded model checking of ``_gap_run`` for each (weights, tolerance) in ``GAP_BMC_RUNS``."""
     d, n, a, lin, mo = GAP_BMC_DEPTH, GAP_BMC_SLOTS, GAP_BMC_ADMITS, GAP_BMC_MAX_PROMPT, GAP_BMC_MAX_OUTPUT
     bound = (f"depth {d} ticks, {n} resident slots per user, {a} admissions per tick, prompts <= {lin}, "
              f"outputs 1..{mo} tokens, per iteration any service up to a prompt chunk and one output token; "
-             f"weights {list(GAP_WEIGHTS[:2])}")
+             f"(weights, tolerance in weighted tokens) {list(GAP_BMC_RUNS)}")
     paper_hit = ""
-    for w in GAP_WEIGHTS[:2]:
-        asm, counters, g = _gap_run(w, d, n, a, lin, mo)
+    for w, tol in GAP_BMC_RUNS:
+        asm, counters, g = _gap_run(w, d, n, a, lin, mo, tol)
         goals = [(f"|c_p - c_q| <= {g} after tick {t}", And(cp - cq <= g, cq - cp <= g))
                  for t, (cp, cq) in enumerate(counters)]
         status, info = _prove(asm, goals, opts.timeout_s, split=False)
         if status == "counterexample":
             m, bad = info
-            values = {"weights": w} | {f"counters after tick {t}": (_val(m, cp), _val(m, cq))
+            values = {"weights": w, "tolerance": tol} | {f"counters after tick {t}": (_val(m, cp), _val(m, cq))
                                        for t, (cp, cq) in enumerate(counters)}
             return Outcome("counterexample", bound,
                            counterexample=StateCounterexample(f"run of {d} ticks", bad[:1], values))
         if status != "proved":
-            return Outcome("unknown", bound, f"weights {w}: {status} {info or ''}")
-        if w == (1, 1):
+            return Outcome("unknown", bound, f"weights {w}, tolerance {tol}: {status} {info or ''}")
+        if w == (1, 1) and tol == 0:
             paper = fr.vtc_service_gap_bound(fr.PROMPT_PRICE, lin, fr.OUTPUT_PRICE, mo) * fr.COUNTER_SCALE
             st, info = _prove(asm, [("paper", And(*(cp - cq <= paper for cp, cq in counters)))], opts.timeout_s,
                               split=False)

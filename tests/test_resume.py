@@ -73,7 +73,7 @@ def _scheduler_with(first_rid: str, counter_first: str, **kw):
     """A 10-block cache: R (user c) resident with 6 blocks; waiting: big (user a, 4 blocks with
     its first slot) and small (user b, 1 block). ``first_rid`` is what ``resume_first`` names;
     ``counter_first`` is the user with the smaller counter."""
-    pol = _Resumes(isolation=False, **kw)
+    pol = _Resumes(isolation=False, tolerance_tokens=0, **kw)  # strict counter order
     s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=10, policy=pol)
     s.submit(make_req("R", user="c", n_prompt=90, max_tokens=50))
     s.tick()
@@ -120,7 +120,7 @@ def _stalls(seed: int, on: bool) -> list[int]:
     on a seeded 3-user workload under KV pressure."""
     rng = random.Random(seed)
     s = Spy(backend=ScriptedBackend(block_tokens=4), clock=StepClock(), kv_cap_blocks=24, block_tokens=4,
-            prefill_chunk_tokens=8, policy=VTCPolicy(resume_decodes_first=on))
+            prefill_chunk_tokens=8, policy=VTCPolicy(resume_decodes_first=on, tolerance_tokens=0))
     reqs = [make_req(f"r{j}", user=f"u{j % 3}", n_prompt=rng.randint(4, 20), max_tokens=rng.randint(5, 30))
             for j in range(18)]
     for r in reqs:

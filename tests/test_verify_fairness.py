@@ -60,8 +60,18 @@ def test_aging_model_reaches_a_pass_of_the_reservation_and_an_early_finish():
 BUGS = {
     "charged_counter skips the weight": ("charged_counter", lambda c, units, w: c + units * fr.COUNTER_SCALE,
                                          [vf.check_vtc_counter_gap]),
-    "no lift": ("lifted_counter", lambda own, m, others: own, [vf.check_vtc_lift, vf.check_vtc_counter_gap]),
-    "lift to the minimum only": ("lifted_counter", lambda own, m, others: fr.If(others, m, own), [vf.check_vtc_lift]),
+    "no lift": ("lifted_counter", lambda own, m, others, tol: own, [vf.check_vtc_lift, vf.check_vtc_counter_gap]),
+    "lift to the band's edge only": ("lifted_counter", lambda own, m, others, tol: fr.If(others, m - tol - 1, own),
+                                     [vf.check_vtc_lift]),
+    "lift ignores the tolerance": ("lifted_counter", lambda own, m, others, tol: fr.If(others, fr.Max(own, m), own),
+                                   [vf.check_vtc_lift]),
+    "lift banks twice the tolerance": ("lifted_counter",
+                                       lambda own, m, others, tol: fr.If(others, fr.Max(own, m - 2 * tol - 1), own),
+                                       [vf.check_vtc_lift, vf.check_vtc_counter_gap]),
+    "eligibility band twice the tolerance": ("vtc_eligible", lambda local, least, tol: local <= least + 2 * tol,
+                                             [vf.check_vtc_counter_gap]),
+    "any user eligible": ("vtc_eligible", lambda local, least, tol: local == local,
+                          [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc]),
     "reservation never fires": ("reserved_after", lambda b, t: False, [vf.check_no_starvation_aging]),
     "sit-out cap removed": ("sit_out_allowed", lambda s, k: True,
                             [vf.check_sit_out_bound, vf.check_no_starvation_aging]),
@@ -87,15 +97,17 @@ def test_planted_bug_gives_a_counterexample(bug, monkeypatch):
 # ---------------------------------------------------------------- teeth on the real Scheduler
 
 
-def _returning_user():
+def _returning_user(tol=0, warm_ticks=30, backlog=40):
     """A and C keep 40 requests each waiting; after 30 ticks B submits 20. Returns B's counter
     right after its return, the least counter among A and C then (counter units), and how many
-    of the next 20 admissions were B's."""
-    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=16, policy=VTCPolicy(), isolation=False)
+    of the next 20 admissions were B's. ``tol``: the policy's tolerance, weighted tokens;
+    ``warm_ticks``: ticks before B returns (30); ``backlog``: requests of A and of C (40)."""
+    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=16, policy=VTCPolicy(tolerance_tokens=tol),
+                  isolation=False)
     for user in ("A", "C"):
-        for i in range(40):
+        for i in range(backlog):
             s.submit(make_req(f"{user}{i}", user=user, n_prompt=20, max_tokens=6))
-    for _ in range(30):
+    for _ in range(warm_ticks):
         s.tick()
     for i in range(20):
         s.submit(make_req(f"B{i}", user="B", n_prompt=20, max_tokens=6))
@@ -113,15 +125,32 @@ def _returning_user():
 
 def test_scenario_lift_keeps_a_returning_user_to_its_share():
     b_counter, least, b_admits = _returning_user()
-    assert b_counter >= least > 0
+    assert b_counter == least - 1 and least > 0  # lifted to one unit below the least counter
     assert b_admits <= 12  # about a third of the admissions (A, B, C alternate), not all of them
 
 
 def test_scenario_without_the_lift_a_returning_user_takes_almost_every_admission(monkeypatch):
-    monkeypatch.setattr(fr, "lifted_counter", lambda own, m, others: own)
+    monkeypatch.setattr(fr, "lifted_counter", lambda own, m, others, tol: own)
     b_counter, least, b_admits = _returning_user()
     assert b_counter < least  # banked credit: B kept its old counter
     assert b_admits >= 18  # with the lift: 7 (test above)
+
+
+def test_scenario_a_returning_user_is_not_queued_behind_the_tolerance_band():
+    """With a tolerance of 640 weighted tokens (20 of these requests) B is lifted to 640 (and a unit) below
+    the least counter: A and C, at the band's top, may not run further ahead, so B gets about a
+    third of the admissions at once, as under strict VTC."""
+    b_counter, least, b_admits = _returning_user(tol=640, warm_ticks=100, backlog=100)
+    assert b_counter == least - 640 * fr.COUNTER_SCALE - 1 > 0
+    assert 5 <= b_admits <= 12
+
+
+def test_scenario_a_lift_that_ignores_the_tolerance_queues_a_returning_user_behind_the_band(monkeypatch):
+    """The teeth of the test above: lifted to the least counter itself, B is inside the band with
+    the newest arrivals and waits until A and C are 640 tokens ahead of it."""
+    monkeypatch.setattr(fr, "lifted_counter", lambda own, m, others, tol: fr.If(others, fr.Max(own, m), own))
+    _, _, b_admits = _returning_user(tol=640, warm_ticks=100, backlog=100)
+    assert b_admits <= 2
 
 
 def test_scenario_aging_bound_holds_on_the_scheduler():

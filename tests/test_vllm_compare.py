@@ -155,3 +155,26 @@ def test_vllm_driver_on_a_tiny_trace():
     assert a.first_s == b.first_s == pytest.approx(2 * 0.007)
     assert a.done_s == pytest.approx(4 * 0.007) and b.done_s == pytest.approx(4 * 0.007 + IT)
     assert (a.output_tokens, b.output_tokens) == (3, 4) and run.preemptions == 0
+
+
+def test_tolerance_rows_beside_the_shipped_batch(tmp_path):
+    """``--tolerance T`` adds a ``Batch-T{T}`` row: the same requests through
+    ``VTCPolicy(tolerance_tokens=T)``; a negative tolerance is a one-line usage error."""
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens,user\n0.0,10,3,A\n0.001,10,3,B\n")
+    cmd = [sys.executable, str(ROOT / "bench" / "vllm_compare.py"), "--batch-only", "--no-sweep",
+           "--traces", str(tmp_path)]
+    p = subprocess.run(cmd + ["--tolerance", "64"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "| `t.csv` | Batch |" in p.stdout and "| `t.csv` | Batch-T64 |" in p.stdout
+    p = subprocess.run(cmd + ["--tolerance", "-1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--tolerance must be >= 0" in p.stderr
+
+
+def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "tolerance_sweep.py"), "--tolerances", "0,4096"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split("|")[1].strip(): line for line in p.stdout.splitlines() if line.startswith("| ")}
+    assert {"T = 0", "T = 4096", "FCFS"} <= set(rows)
+    ticks = {name: int(rows[name].split("|")[-2]) for name in ("T = 0", "T = 4096")}
+    assert ticks["T = 0"] <= 2 < ticks["T = 4096"]  # the light user's wait the tolerance costs
