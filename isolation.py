@@ -349,12 +349,16 @@ class Isolation:
         d.isolated = True
 
     def _peek(self, d: PlanDraft, sched: Any, count: Any, total: int, total_w: int) -> list[Any]:
-        """Waiting candidates not admitted this iteration, first ``peek_candidates`` in the
-        policy's order; none when no waiting user is below its fair share as if it joined the
-        batch (a protected user always is: ``protected_next`` leaves at the fair share). The
+        """Waiting candidates not admitted this iteration: the first ``peek_candidates`` in the
+        policy's order, then, with at most 32 waiting users and a policy that has
+        ``user_heads()``, the first waiting request of every other user (a light user behind
+        more than ``peek_candidates`` requests of a heavy one, within its tolerance band, is
+        still seen). None when no waiting user is below its fair share as if it joined the
+        batch (a protected user always is: ``protected_next`` leaves at the fair share); that
         check is skipped with more than 32 waiting users."""
         waiting = sched._waiting_by_user
-        if len(waiting) <= 32:
+        few = len(waiting) <= 32
+        if few:
             res, weight_of = sched._resident_by_user, sched._weight_of
             if not any((res.get(u, 0) + n) * (total_w + (weight_of(u) if count(u) == 0 else 0))
                        < weight_of(u) * (total + 1) for u, n in waiting.items()):
@@ -365,6 +369,10 @@ class Isolation:
                 out.append(q)
                 if len(out) >= self.peek_candidates:
                     break
+        user_heads = getattr(sched.policy, "user_heads", None)
+        if few and user_heads is not None and len(out) >= self.peek_candidates:
+            seen = {q.user_id for q in out}
+            out += [q for q in user_heads() if q.user_id not in seen and q not in d.grants]
         return out
 
     def _make_room(self, d: PlanDraft, sched: Any, targets: list[Any], protected: set[str], over: set[str]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from heapq import merge
+from heapq import heapify, heappop, heappush, heapreplace, merge
 from typing import Any, Iterator, Protocol, Sequence
 
 from spec import fairness_rules as fr
@@ -186,6 +186,13 @@ class _Waiting:
         """Whether ``user`` has a waiting request."""
         return user in self.users
 
+    def min_arrival(self, user: str) -> int:
+        """The smallest arrival number among ``user``'s waiting requests (it has one)."""
+        q = self.users[user]
+        if not q.requeued:
+            return q.fresh[0].arrival_no
+        return min(q.requeued[0].arrival_no, q.fresh[0].arrival_no) if q.fresh else q.requeued[0].arrival_no
+
     def iter_user(self, user: str) -> Iterator[Any]:
         """The user's waiting requests, oldest arrival first (a lazy snapshot)."""
         q = self.users[user]
@@ -310,6 +317,9 @@ class VTCPolicy:
         self._q = _Waiting()
         self._counter: dict[str, int] = {}
         self._unfolded: dict[str, list[int]] = {}  # [prompt, output] tokens not yet in the counter
+        self._user_no: dict[str, int] = {}
+        self._ver: dict[str, int] = {}
+        self._heap: list[list[Any]] = []  # [counter, min waiting arrival, user_no, ver, user]; lazy
         self.drain_longest_first = drain_longest_first
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._chunk_tokens = prefill_chunk_tokens or 64  # the chunk the drain order counts in (tokens)
@@ -363,6 +373,9 @@ class VTCPolicy:
     def requeue(self, seq: Any) -> None:
         if self._q.push_front(seq):
             self._activate(seq.user_id)
+        else:  # its user's oldest waiting arrival may go down: a fresh heap entry keeps keys lower bounds
+            self._ver[seq.user_id] += 1
+            self._push(seq.user_id)
         if self.resume_decodes_first and seq.num_tokens > seq.num_prompt_tokens:  # it has output tokens
             insort(self._resumed, seq, key=_arrival)
 
@@ -391,10 +404,48 @@ class VTCPolicy:
 
     def _activate(self, user: str) -> None:
         """The user went idle -> backlogged: lift its counter (``lifted_counter``) against the
-        least counter among the other backlogged users."""
-        others = [self.counter(u) for u in self._q.users if u != user]
-        least = min(others, default=0)
-        self._counter[user] = fr.lifted_counter(self.counter(user), least, bool(others), self._tolerance)
+        least counter among the other backlogged users, give it a fresh heap entry."""
+        if user not in self._user_no:
+            self._user_no[user] = len(self._user_no)
+        self._ver[user] = self._ver.get(user, 0) + 1  # invalidates the user's old entries
+        m = self._min_backlogged_counter()
+        self._counter[user] = fr.lifted_counter(self.counter(user), 0 if m is None else m, m is not None,
+                                                self._tolerance)
+        self._push(user)
+
+    def _key(self, user: str) -> list[Any]:
+        return [self.counter(user), self._q.min_arrival(user), self._user_no[user], self._ver[user], user]
+
+    def _push(self, user: str) -> None:
+        heappush(self._heap, self._key(user))
+        if len(self._heap) > 2 * len(self._q.users) + 64:  # drop dead entries now and then
+            self._heap = [self._key(u) for u in self._q.users]
+            heapify(self._heap)
+
+    def _valid(self, entry: list[Any]) -> bool:
+        user = entry[4]
+        return entry[3] == self._ver.get(user) and self._q.backlogged(user)
+
+    def _min_backlogged_counter(self) -> int | None:
+        """Smallest counter among backlogged users (other than one being activated), or None.
+
+        Pops dead entries and re-keys stale ones at the top. A stored key is never above the
+        true one: counters only grow, and so does a user's oldest waiting arrival, except when a
+        preempted request is requeued, which pushes a fresh entry. So the first exact top is the
+        minimum.
+        """
+        h = self._heap
+        while h:
+            top = h[0]
+            if not self._valid(top):
+                heappop(h)
+                continue
+            key = self._key(top[4])
+            if key[:2] != top[:2]:
+                heapreplace(h, key)
+                continue
+            return top[0]
+        return None
 
     def before_admission(self, resident_requests: int, prefill_chunk_tokens: int | None = None) -> None:
         """Called by the scheduler in every ``schedule()``: enter or leave the drain phase.
@@ -425,6 +476,13 @@ class VTCPolicy:
         return iter(sorted(it, key=lambda q: (passes.get(q, 0) < MAX_DRAIN_PASSES,
                                               -remaining_iterations(q, chunk), q.arrival_no)))
 
+    def user_heads(self) -> list[Any]:
+        """Each backlogged user's first waiting request in its own order (arrival, or the drain
+        order), oldest arrival first: O(U) for U backlogged users. Isolation's peek reads it to
+        see every waiting user, not only the first in the admission order."""
+        heads = [next(self._user_order(u)) for u in self._q.users]
+        return sorted(heads, key=_arrival)
+
     def resume_first(self) -> Iterator[Any]:
         """The waiting preempted decodes (requests preempted after producing output tokens),
         oldest arrival first, when ``resume_decodes_first``; otherwise none.
@@ -444,25 +502,74 @@ class VTCPolicy:
 
         Between yields the counter of the user just yielded is advanced by its request's
         uncharged prompt (as VTC charges at admission), on a local copy: the policy's state
-        does not change.
+        does not change (only its heap is tidied).
+
+        Cost: O(k log U) for the k users it has to look at, of U backlogged. The policy's heap,
+        keyed by (counter, oldest waiting arrival) with stored keys never above the true ones,
+        is walked from its top only while a node's stored key is at most (least counter +
+        tolerance, the best arrival in the band so far): nothing below a node beyond that can
+        be picked next. Locally, heaps of the users reached: by counter (for the least one),
+        outside the band by counter, inside it by their head's arrival. Local counters and the
+        least one only grow, so a user leaves the band only by being charged; stale entries are
+        dropped when they reach a top.
         """
         price, tol = self.prompt_price, self._tolerance
+        self._min_backlogged_counter()  # tidy the top: its key is exact now
+        heap = self._heap
+        frontier = [(heap[0][0], heap[0][1], 0)] if heap else []  # heap nodes not walked yet
+        reached: set[str] = set()
         live: dict[str, list[Any]] = {}  # user -> [local counter, head request, the rest]
-        for user in self._q.users:
-            rest = self._user_order(user)
-            head = next(rest, None)
-            if head is not None:
-                live[user] = [self.counter(user), head, rest]
-        while live:
-            least = min(v[0] for v in live.values())
-            user, v = min(((u, v) for u, v in live.items() if fr.vtc_eligible(v[0], least, tol)),
-                          key=lambda uv: uv[1][1].arrival_no)
+        counters: list[tuple[int, str]] = []  # (counter, user) of live users: the least one
+        outside: list[tuple[int, str]] = []  # (counter, user): live users not in the band yet
+        band: list[tuple[int, str]] = []  # (head's arrival number, user)
+        while True:
+            if live:
+                while live.get(counters[0][1], (None,))[0] != counters[0][0]:
+                    heappop(counters)  # stale: charged since, or nothing left
+                least = counters[0][0]
+                while outside and fr.vtc_eligible(outside[0][0], least, tol):
+                    c, u = heappop(outside)
+                    v = live.get(u)
+                    if v is not None and v[0] == c:
+                        heappush(band, (v[1].arrival_no, u))
+                while True:  # the least user is in the band, so it never empties here
+                    arrival, user = band[0]
+                    v = live.get(user)
+                    if v is None or v[1].arrival_no != arrival:
+                        heappop(band)  # stale: that head was yielded
+                    elif not fr.vtc_eligible(v[0], least, tol):
+                        heappop(band)  # charged past the band: back outside
+                        heappush(outside, (v[0], user))
+                    else:
+                        break
+            if frontier and (not live or frontier[0][:2] <= (least + tol, arrival)):
+                _, _, i = heappop(frontier)
+                for j in (2 * i + 1, 2 * i + 2):
+                    if j < len(heap):
+                        heappush(frontier, (heap[j][0], heap[j][1], j))
+                u = heap[i][4]
+                if u not in reached and self._valid(heap[i]):
+                    reached.add(u)
+                    rest = self._user_order(u)
+                    head = next(rest, None)
+                    if head is not None:
+                        c = self.counter(u)
+                        live[u] = [c, head, rest]
+                        heappush(counters, (c, u))
+                        heappush(outside, (c, u))
+                continue
+            if not live:
+                return
             seq = v[1]
             yield seq
+            heappop(band)
             v[0] = fr.charged_counter(v[0], price * _uncharged_prompt_tokens(seq), self.weight_of(user))
+            heappush(counters, (v[0], user))
             v[1] = next(v[2], None)
             if v[1] is None:
                 del live[user]
+            else:
+                heappush(band, (v[1].arrival_no, user))
 
     # -------------------------------------------------------- preemption
 

@@ -9,6 +9,8 @@ For each ``T`` (weighted tokens), with ``Scheduler(policy=VTCPolicy(tolerance_to
   ``bench/vllm_compare.py`` replays them (its Batch driver, so the figures match its table);
 * the overload (``bench_fairness.overload(0)``, four users with 400 requests each): Jain's
   index of service while all are backlogged and the largest service gap, weighted tokens;
+* weighted shares: the same overload with user ``short`` at weight 2, its service over the mean
+  of the others' while all four are backlogged (2.0 is exact);
 * a light user early in a burst (``tests/test_review5.py``'s scenario): user A's 40 requests
   preempt each other in a 48-block cache; user L's 10-token request arrives 3 ticks in; ticks
   from L's arrival to its first token.
@@ -17,7 +19,7 @@ FCFS (``FCFSPolicy()``) is printed beside for the first two. Usage, from the pro
 
     python bench/tolerance_sweep.py [--tolerances 0,512,1024,2048,4096] [--traces DIR]
 
-About 30 s. Needs only the scheduler's own closure (bench_fairness imports numpy-free modules).
+About 10 s. Needs only the scheduler's own closure (bench_fairness imports numpy-free modules).
 """
 from __future__ import annotations
 
@@ -66,6 +68,23 @@ def overload(policy) -> tuple[float, float]:
             bf.max_service_gap(res.scheduler.trace))
 
 
+def weighted_share(tol: int) -> float:
+    """User ``short``'s service (weight 2) over the mean of the other three's, all backlogged."""
+    w = {"short": 2}
+    res = simulate.run_workload(bf.overload(0, n_per_user=400), record_itl=False,
+                                make_scheduler=lambda **k: bf.RecordingScheduler(weights=w, **k),
+                                policy=VTCPolicy(weights=w, tolerance_tokens=tol))
+    acc = {u: 0.0 for u in bf.OVERLOAD_USERS}
+    prev = None
+    for _, svc, backlogged in res.scheduler.trace:
+        if prev is not None and all(u in backlogged for u in bf.OVERLOAD_USERS):
+            for u in bf.OVERLOAD_USERS:
+                acc[u] += (svc.get(u, 0.0) - prev.get(u, 0.0)) * w.get(u, 1)
+        prev = svc
+    others = [acc[u] for u in bf.OVERLOAD_USERS if u != "short"]
+    return acc["short"] / (sum(others) / len(others))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tolerances", default="0,512,1024,2048,4096", help="comma-separated, weighted tokens")
@@ -78,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(t < 0 for t in tols):
         p.error("--tolerances must be >= 0")
     folder = vc.traces_dir(a.traces)
+    missing = [name for name in BALANCED if not (folder / name).is_file()]
+    if missing:
+        p.error(f"no {missing[0]} in {folder} (pass --traces DIR or set {vc.TRACES_ENV})")
     traces = {name: vc.load_requests(folder / name) for name in BALANCED}
     rows = [(f"T = {t}", lambda t=t: VTCPolicy(tolerance_tokens=t)) for t in tols] + [("FCFS", FCFSPolicy)]
     print("| policy | " + " | ".join(f"`{n.split('_')[0]}` tok/s, TTFT p99 (s)" for n in BALANCED)
-          + " | overload: Jain / largest gap | light user in a burst: ticks |")
-    print("|---|" + "---|" * (len(BALANCED) + 2))
+          + " | overload: Jain / largest gap | weight 2 : 1 share | light user in a burst: ticks |")
+    print("|---|" + "---|" * (len(BALANCED) + 3))
     for name, make in rows:
         cells = []
         for reqs in traces.values():
@@ -90,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                                              name=name))
             cells.append(f"{summ.throughput_tok_s:.1f}, {summ.ttft_p99_s:.2f}")
         jain, gap = overload(make())
-        light = light_user_ticks(make()) if name != "FCFS" else "-"
-        print(f"| {name} | " + " | ".join(cells) + f" | {jain:.3f} / {gap:.0f} | {light} |", flush=True)
+        vtc = name != "FCFS"
+        share = f"{weighted_share(int(name[4:])):.2f}" if vtc else "-"
+        light = light_user_ticks(make()) if vtc else "-"
+        print(f"| {name} | " + " | ".join(cells) + f" | {jain:.3f} / {gap:.0f} | {share} | {light} |", flush=True)
     return 0
 
 

@@ -49,8 +49,9 @@ def charged_counter(counter: Int, units: Int, weight: Int) -> Int:
 #: Default fairness tolerance of ``VTCPolicy``, weighted tokens: users whose counters lie within
 #: this of the least backlogged counter are served in arrival order (``vtc_eligible``). 0, the
 #: VTC paper's order: a tolerance of one KV cache's worth (4096) serves balanced load close to
-#: arrival order, but a light user arriving early in another user's burst then waits behind
-#: that burst's older requests (``docs/fairness.md`` section 3 has the measurements).
+#: arrival order, but lets weighted shares drift by that much (on the overload a weight-2 user
+#: got 1.38x, not 1.94x, of the others' service); ``docs/fairness.md`` section 6 has the
+#: measurements.
 TOLERANCE_TOKENS = 0
 
 

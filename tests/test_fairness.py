@@ -92,8 +92,10 @@ def test_returning_user_takes_no_more_than_its_fair_share():
 class NoLift(VTCPolicy):
     """VTC without the counter lift (plain least-counter-first): idle time banks credit."""
 
-    def _activate(self, user):
-        pass  # the returning user keeps its old (low) counter
+    def _activate(self, user):  # the returning user keeps its old (low) counter
+        self._user_no.setdefault(user, len(self._user_no))
+        self._ver[user] = self._ver.get(user, 0) + 1
+        self._push(user)
 
 
 def test_without_the_lift_a_returning_user_takes_more_than_its_share():

