@@ -231,8 +231,8 @@ class VTCPolicy:
     ahead of the least-served one by more than the tolerance, admission is first come, first
     served; a user that does is passed over until the others catch up. Within one iteration it
     charges each admitted request's prompt in advance, so admissions interleave users. When a
-    user goes from idle to backlogged its counter is lifted to ``tolerance_tokens`` below the
-    smallest counter among the other backlogged users (``lifted_counter``): the others, at most
+    user goes from idle to backlogged its counter is lifted to ``tolerance_tokens`` (and one
+    counter unit) below the smallest counter among the other backlogged users (``lifted_counter``): the others, at most
     the tolerance above it, may not run further ahead, so a returning user is served in turn at
     once instead of queueing behind the older requests of everyone in the band. A preempted
     request returns ahead of its user's later arrivals. The victim under KV pressure is chosen

@@ -532,3 +532,22 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
     # Counters never decrease: a charge (units >= 0, weight >= 1) and the lift.
     assert proved(z3.Implies(z3.And(u >= 0, w >= 1), fr.charged_counter(c, u, w) >= c))
     assert proved(fr.lifted_counter(c, m, back, k) >= c)
+
+
+def test_isolation_sees_a_light_user_inside_a_burst_s_tolerance_band():
+    """With a tolerance, a light user arriving early in a burst sits inside the burst's band and
+    behind its 16 waiting preempted decodes in the admission order; isolation's peek reaches it
+    through every waiting user's head (it waited 69 ticks when the peek read only the first 16)."""
+    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=48,
+                  policy=VTCPolicy(tolerance_tokens=4096))
+    for i in range(40):
+        s.submit(make_req(f"a{i}", user="A", n_prompt=15, max_tokens=60))
+    light = make_req("L", user="L", n_prompt=10, max_tokens=3)
+    for t in range(100):
+        if t == 3:
+            s.submit(light)
+            behind = [q.user_id for q in s.policy.admission_order()].index("L")
+        s.tick()
+        if light.generated:
+            break
+    assert behind >= 16 and t - 3 + 1 <= 2
