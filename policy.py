@@ -232,9 +232,10 @@ class VTCPolicy:
     served; a user that does is passed over until the others catch up. Within one iteration it
     charges each admitted request's prompt in advance, so admissions interleave users. When a
     user goes from idle to backlogged its counter is lifted to ``tolerance_tokens`` (and one
-    counter unit) below the smallest counter among the other backlogged users (``lifted_counter``): the others, at most
-    the tolerance above it, may not run further ahead, so a returning user is served in turn at
-    once instead of queueing behind the older requests of everyone in the band. A preempted
+    counter unit) below the smallest counter among the other backlogged users
+    (``lifted_counter``): the others, at most the tolerance above it, may not run further
+    ahead, so a returning user is served in turn at once instead of queueing behind the older
+    requests of everyone in the band. A preempted
     request returns ahead of its user's later arrivals. The victim under KV pressure is chosen
     by ``choose_victim`` (by KV blocks, not by counter: see ``docs/fairness.md``).
 
@@ -272,11 +273,11 @@ class VTCPolicy:
             int >= 0, or both prices are 0,
             or ``prefill_chunk_tokens`` is not ``None`` or an int >= 1, or a flag is not a bool.
 
-    Cost: ``add``/``requeue`` O(U) (U backlogged users) when the user was idle, else O(1);
-    ``remove`` O(1) in the number waiting; ``admission_order`` O(U) to start and O(U) per
-    request yielded; ``on_service`` O(1). In the drain phase (at most half as many waiting as
-    resident) ``remove`` is O(position in its user's queue) and ``admission_order`` sorts each
-    user's queue.
+    Cost: ``add``/``requeue``/``remove`` O(log U) (U backlogged users) and O(1) in the number
+    waiting; ``admission_order`` O(k log U) for the k users it looks at (``admission_order``);
+    ``on_service`` O(1). In the drain phase (at most half as many waiting as resident)
+    ``remove`` is O(position in its user's queue) and ``admission_order`` sorts each user's
+    queue it reaches.
 
     Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), the VTC algorithm;
     artifact ``Ying1123/VTC-artifact`` (``vtc_req_queue.py``).
