@@ -151,6 +151,19 @@ class RecordingScheduler(Scheduler):
         return out
 
 
+def raw_service_while_backlogged(trace, users: Sequence[str], weights: dict[str, int]) -> dict[str, float]:
+    """Each user's raw (unweighted) service over the spans in which all ``users`` are backlogged:
+    the recorded weighted service times the user's weight, summed."""
+    acc = {u: 0.0 for u in users}
+    prev = None
+    for _, svc, backlogged in trace:
+        if prev is not None and all(u in backlogged for u in users):
+            for u in users:
+                acc[u] += (svc.get(u, 0.0) - prev.get(u, 0.0)) * weights.get(u, 1)
+        prev = svc
+    return acc
+
+
 def max_service_gap(trace: list[tuple[float, dict[str, float], frozenset[str]]]) -> float:
     """Largest |service_f(t1, t2) - service_g(t1, t2)| over intervals where f and g are both backlogged.
 
@@ -324,14 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n== weighted VTC: the overload workload with weights short=2, others 1; seed 0, virtual clock ==")
     w = {"short": 2}
     res = run(overload(0, n_per_user=400 // scale), CONTENDERS[0], weights=w)
-    tr = res.scheduler.trace
-    acc = {u: 0.0 for u in OVERLOAD_USERS}
-    prev = None
-    for _, svc, backlogged in tr:
-        if prev is not None and all(u in backlogged for u in OVERLOAD_USERS):
-            for u in OVERLOAD_USERS:
-                acc[u] += (svc.get(u, 0.0) - prev.get(u, 0.0)) * w.get(u, 1)
-        prev = svc
+    acc = raw_service_while_backlogged(res.scheduler.trace, OVERLOAD_USERS, w)
     others = statistics.mean(acc[u] for u in OVERLOAD_USERS if u != "short")
     print(f"   raw service while all backlogged: {', '.join(f'{u}={v:.0f}' for u, v in acc.items())}; "
           f"short / mean(others) = {acc['short'] / others:.2f} (weight ratio 2)")

@@ -74,13 +74,7 @@ def weighted_share(tol: int) -> float:
     res = simulate.run_workload(bf.overload(0, n_per_user=400), record_itl=False,
                                 make_scheduler=lambda **k: bf.RecordingScheduler(weights=w, **k),
                                 policy=VTCPolicy(weights=w, tolerance_tokens=tol))
-    acc = {u: 0.0 for u in bf.OVERLOAD_USERS}
-    prev = None
-    for _, svc, backlogged in res.scheduler.trace:
-        if prev is not None and all(u in backlogged for u in bf.OVERLOAD_USERS):
-            for u in bf.OVERLOAD_USERS:
-                acc[u] += (svc.get(u, 0.0) - prev.get(u, 0.0)) * w.get(u, 1)
-        prev = svc
+    acc = bf.raw_service_while_backlogged(res.scheduler.trace, bf.OVERLOAD_USERS, w)
     others = [acc[u] for u in bf.OVERLOAD_USERS if u != "short"]
     return acc["short"] / (sum(others) / len(others))
 
