@@ -3,19 +3,28 @@
 Per finished request: e2e latency = ``completed_at - submitted_at``; TTFT = ``started_at -
 submitted_at``; TPOT = ``(e2e - TTFT) / (output tokens - 1)`` (requests with >= 2 tokens);
 ITL = gaps between consecutive output tokens; queue time = first admission - submit.
-Output throughput = output tokens of finished requests / (last completion - first submit).
-Percentiles by linear interpolation (numpy's default). ``gpu_utilization`` = ticks whose
-batch was non-empty / ticks. Finished requests are not retained: only these numbers are.
+Output throughput = output tokens of finished requests / (last completion - first submit);
+request throughput = finished requests / the same duration. Percentiles by linear
+interpolation (numpy's default). ``gpu_utilization`` = ticks whose batch was non-empty /
+ticks (the contract's definition: it says nothing about how long each tick's batch kept the
+GPU busy). Finished requests are not retained: only these numbers are.
+
+``benchmark_metrics`` renames a summary to vLLM ``benchmark_serving``'s result keys
+(``mean_ttft_ms``, ``p99_itl_ms``, ``request_throughput``, ...), and ``good_requests`` counts
+the completed requests that meet every objective of an ``SLO`` (vLLM's ``--goodput``).
 """
 from __future__ import annotations
 
 import math
 from array import array
 from collections import Counter, defaultdict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 #: The four keys of the import contract.
 CONTRACT_KEYS = ("throughput_tokens_per_sec", "avg_latency_s", "p99_latency_s", "gpu_utilization")
+#: The percentiles ``summary()`` reports for TTFT, TPOT, ITL and e2e latency (``<metric>_p<q>_s``).
+PERCENTILES = (50, 90, 95, 99)
 
 
 def _pct(a: list[float], q: float) -> float:
@@ -31,6 +40,11 @@ def _pct(a: list[float], q: float) -> float:
 
 def _mean(xs: Any) -> float:
     return sum(xs) / len(xs) if len(xs) else 0.0
+
+
+def _spread(name: str, xs: Any, ordered: list[float]) -> dict[str, float]:
+    """``{name}_mean_s`` and ``{name}_p{q}_s`` for each q of ``PERCENTILES`` (``ordered``: ``xs`` sorted)."""
+    return {f"{name}_mean_s": _mean(xs), **{f"{name}_p{q}_s": _pct(ordered, q) for q in PERCENTILES}}
 
 
 def jain_index(xs: Any) -> float:
@@ -138,8 +152,11 @@ class MetricsRecorder:
         makes the latency and throughput figures NaN or negative (``docs/reliability.md``).
 
         Keys: the contract's four, then ``requests_finished``, ``output_tokens``,
-        ``duration_s``, ``ttft_{mean,p50,p99}_s``, ``tpot_{mean,p50,p99}_s``,
-        ``itl_{mean,p50,p99}_s``, ``e2e_p50_s``, ``queue_{p50,p99}_s``, ``preemptions``,
+        ``prompt_tokens`` (of the finished requests), ``duration_s``, ``request_throughput``
+        (finished requests / ``duration_s``), ``ttft_{mean,p50,p90,p95,p99}_s``,
+        ``tpot_{mean,p50,p90,p95,p99}_s``, ``itl_{mean,p50,p90,p95,p99}_s``,
+        ``e2e_{mean,p50,p90,p95,p99}_s`` (``e2e_mean_s`` = ``avg_latency_s``, ``e2e_p99_s`` =
+        ``p99_latency_s``), ``queue_{p50,p99}_s``, ``preemptions``,
         ``refusals``, ``refusals_by_reason``, ``finish_reasons``, ``ticks``,
         ``avg_batch_requests``, ``avg_batch_tokens``, ``kv_blocks_in_use``,
         ``kv_utilization``, ``waiting``, ``running``, ``jain_index_output_tokens`` and
@@ -158,11 +175,11 @@ class MetricsRecorder:
             "gpu_utilization": float(self.nonempty_ticks / self.ticks) if self.ticks else 0.0,
             "requests_finished": len(self.e2e_s),
             "output_tokens": self.output_tokens,
+            "prompt_tokens": sum(u.prompt_tokens for u in self.users.values()),
             "duration_s": duration,
-            "ttft_mean_s": _mean(self.ttft_s), "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-            "tpot_mean_s": _mean(self.tpot_s), "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
-            "itl_mean_s": _mean(self.itl_s), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
-            "e2e_p50_s": _pct(e2e, 50),
+            "request_throughput": len(self.e2e_s) / duration if duration > 0 else 0.0,
+            **_spread("ttft", self.ttft_s, ttft), **_spread("tpot", self.tpot_s, tpot),
+            **_spread("itl", self.itl_s, itl), **_spread("e2e", self.e2e_s, e2e),
             "queue_p50_s": _pct(queue, 50), "queue_p99_s": _pct(queue, 99),
             "preemptions": self.preemptions,
             "refusals": sum(self.refusals.values()),
@@ -182,3 +199,80 @@ class MetricsRecorder:
                 for user, u in sorted(self.users.items())
             },
         }
+
+
+# ---------------------------------------------------------------- vLLM's benchmark names and goodput
+
+
+#: vLLM ``benchmark_serving``'s latency metric names and the ``summary()`` key prefix of each.
+BENCHMARK_LATENCIES = (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2el", "e2e"))
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives for goodput, seconds; ``None`` leaves a metric unconstrained.
+
+    A completed request meets them when its TTFT, TPOT and e2e latency are each at most the
+    objective (vLLM ``benchmark_serving --goodput ttft:MS tpot:MS e2el:MS``). A request with a
+    single output token has TPOT 0, as there.
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2el_s: float | None = None
+
+    def met(self, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
+        """Whether a request with these latencies (seconds) meets every objective."""
+        return all(limit is None or value <= limit
+                   for value, limit in ((ttft_s, self.ttft_s), (tpot_s, self.tpot_s), (e2el_s, self.e2el_s)))
+
+    def as_ms(self) -> dict[str, float]:
+        """The objectives that are set, in ms by vLLM's names (``{"ttft": 1000.0, "tpot": 100.0}``)."""
+        return {name: limit * 1e3 for name, limit in (("ttft", self.ttft_s), ("tpot", self.tpot_s),
+                                                       ("e2el", self.e2el_s)) if limit is not None}
+
+
+def request_latencies(req: Any) -> tuple[float, float, float] | None:
+    """``(ttft, tpot, e2el)`` seconds of a completed ``Request`` (``submitted_at``, ``started_at``
+    = first token, ``completed_at``, ``generated``), as ``summary()`` measures them; TPOT is
+    0.0 for a single output token. ``None`` for a request that has not completed with a token."""
+    if req.completed_at is None or req.started_at is None or req.submitted_at is None:
+        return None
+    ttft = req.started_at - req.submitted_at
+    n = len(req.generated)
+    tpot = (req.completed_at - req.started_at) / (n - 1) if n >= 2 else 0.0
+    return ttft, tpot, req.completed_at - req.submitted_at
+
+
+def good_requests(requests: Iterable[Any], slo: SLO) -> int:
+    """How many of the completed ``requests`` meet ``slo`` (pass only completions: not aborted or failed ones)."""
+    return sum(1 for r in requests if (lat := request_latencies(r)) is not None and slo.met(*lat))
+
+
+def benchmark_metrics(m: dict[str, Any], *, good_completed: int | None = None) -> dict[str, Any]:
+    """A ``summary()`` under vLLM ``benchmark_serving``'s result keys.
+
+    ``completed``, ``duration`` (s: first submit to last completion on the scheduler's clock;
+    vLLM times its whole benchmark), ``total_input_tokens``, ``total_output_tokens``,
+    ``request_throughput`` (completed / duration), ``request_goodput`` (``good_completed`` /
+    duration, ``None`` without it), ``output_throughput``, ``total_token_throughput`` (input +
+    output tokens / duration), and ``{mean,median,p90,p95,p99}_{ttft,tpot,itl,e2el}_ms``.
+    """
+    duration = m["duration_s"]
+    out: dict[str, Any] = {
+        "completed": m["requests_finished"],
+        "duration": duration,
+        "total_input_tokens": m["prompt_tokens"],
+        "total_output_tokens": m["output_tokens"],
+        "request_throughput": m["request_throughput"],
+        "request_goodput": (good_completed / duration if duration > 0 else 0.0) if good_completed is not None
+        else None,
+        "output_throughput": m["throughput_tokens_per_sec"],
+        "total_token_throughput": (m["prompt_tokens"] + m["output_tokens"]) / duration if duration > 0 else 0.0,
+    }
+    for name, key in BENCHMARK_LATENCIES:
+        out[f"mean_{name}_ms"] = m[f"{key}_mean_s"] * 1e3
+        out[f"median_{name}_ms"] = m[f"{key}_p50_s"] * 1e3
+        for q in PERCENTILES[1:]:
+            out[f"p{q}_{name}_ms"] = m[f"{key}_p{q}_s"] * 1e3
+    return out

@@ -5,14 +5,23 @@
     python simulate.py --clock virtual --n 10000 --rate 40
     python simulate.py --backend model                   # a tiny seeded Llama on the paged KV cache
     python simulate.py --backend model --model PATH      # a local Hugging Face checkpoint directory
+    python simulate.py --policy fcfs --json              # FCFS admission; one JSON object of the metrics
 
 Arrivals are replayed: each request is submitted when the clock passes its arrival offset,
 between ticks, as a serving loop would. With ``--clock virtual`` the stub advances simulated
 time by its latency model instead of sleeping, and idle gaps are skipped.
+
+The metrics are ``Scheduler.metrics()`` (``metrics.py``); ``--json`` prints them under vLLM
+``benchmark_serving``'s names (``metrics.benchmark_metrics``) with the goodput under
+``--slo-ttft-ms`` / ``--slo-tpot-ms`` / ``--slo-e2el-ms``. ``gpu_utilization`` is the
+contract's fraction of ticks whose batch was non-empty; ``gpu_busy_fraction`` is the time
+the simulated GPU spent in ``forward`` over the duration (first submit to last completion on
+the run's clock), the GPU-busy share of clock time.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import numbers
 import os
@@ -22,9 +31,26 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import inference_stub
+import metrics
 import request_gen
+from baselines import ReservationScheduler, StaticBatchScheduler
 from inference_stub import Request, SimulatedGPU, VirtualClock
+from policy import FCFSPolicy, RoundRobinPolicy
 from scheduler import RequestError, Scheduler
+
+#: ``--policy`` choices: name -> (scheduler class, policy factory or ``None`` for the class's
+#: default, what it is). ``vtc`` is ``Scheduler()`` as shipped.
+POLICIES: dict[str, tuple[type[Scheduler], Callable[[], object] | None, str]] = {
+    "vtc": (Scheduler, None, "Scheduler() as shipped: VTC fair share with TTFT isolation (default)"),
+    "fcfs": (Scheduler, FCFSPolicy, "FCFS, preemption by recompute, newest victim (vLLM V1)"),
+    "round-robin": (Scheduler, RoundRobinPolicy, "per-user round-robin admission"),
+    "fcfs-reserve": (ReservationScheduler, None, "FCFS reserving prompt + max_tokens, never preempts "
+                                                 "(TGI, TensorRT-LLM); stub backend only"),
+    "static": (StaticBatchScheduler, None, "static batching, 32 a batch; stub backend only"),
+}
+#: Default SLOs for goodput, ms: a first token within a second, then at least 10 tokens a second.
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_TPOT_MS = 100.0
 
 
 @dataclass
@@ -38,6 +64,8 @@ class RunResult:
         wall_s: real seconds the run took.
         sim_s: seconds on the run's clock from the first arrival to the end.
         busy_s: seconds the GPU spent in ``forward`` (simulated GPUs only, else 0).
+        failed: requests among ``finished`` that the backend retry policy failed (finish
+            reason ``"error"``, ``max_backend_tries``): returned, but not completions.
     """
 
     scheduler: Scheduler
@@ -46,6 +74,18 @@ class RunResult:
     wall_s: float = 0.0
     sim_s: float = 0.0
     busy_s: float = 0.0
+    failed: list[Request] = field(default_factory=list)
+
+    def completed(self) -> list[Request]:
+        """``finished`` less ``failed``: the requests that completed (EOS, ``max_tokens``, cache length)."""
+        failed = {id(r) for r in self.failed}
+        return [r for r in self.finished if id(r) not in failed] if failed else list(self.finished)
+
+    def gpu_busy_fraction(self, duration_s: float) -> float | None:
+        """Seconds the simulated GPU spent in ``forward`` / ``duration_s`` (the metrics'
+        ``duration_s``: first submit to last completion on the run's clock); ``None`` when no
+        simulated GPU did the work (``--backend model``) or no time passed."""
+        return min(1.0, self.busy_s / duration_s) if self.busy_s and duration_s > 0 else None
 
 
 def run_workload(
@@ -103,6 +143,8 @@ def run_workload(
     wall0 = time.perf_counter()
     t0 = now()
     i, ticks = 0, 0
+    # only a retry policy fails requests; reading last_finished at every tick costs a dict of the batch
+    may_fail = getattr(sched, "max_backend_tries", None) is not None
     while i < len(pending) or sched.has_active():
         t = now()
         while i < len(pending) and t0 + offsets[i] <= t:
@@ -116,9 +158,12 @@ def run_workload(
         if sched.has_active():
             done = sched.tick()
             ticks += 1
-            result.finished.extend(done)
-            if bar and done:
-                bar.update(len(done))
+            if done:
+                result.finished.extend(done)
+                if may_fail:
+                    result.failed.extend(r for r, why in sched.last_finished if why == "error")
+                if bar:
+                    bar.update(len(done))
             if max_ticks is not None and ticks > max_ticks:
                 raise RuntimeError(f"run did not finish within {max_ticks} ticks")
         elif i < len(pending):
@@ -134,20 +179,55 @@ def run_workload(
     return result
 
 
-def format_metrics(m: dict, result: RunResult | None = None) -> str:
-    """A plain two-column table of the headline metrics (seconds shown in ms where small)."""
+def _spread(m: dict, key: str, scale: float) -> str:
+    """``mean / p50 / p90 / p95 / p99`` of ``key`` (``metrics.PERCENTILES``), times ``scale``."""
+    vals = [m[f"{key}_mean_s"]] + [m[f"{key}_p{q}_s"] for q in metrics.PERCENTILES]
+    return " / ".join(f"{v * scale:.{1 if scale > 1 else 3}f}" for v in vals)
+
+
+def _slo_text(slo: metrics.SLO) -> str:
+    return ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slo.as_ms().items()) or "no SLO"
+
+
+#: The label column's width: ``tests/test_model_backend.py`` reads the table's rows as they are.
+_LABEL_WIDTH = 33
+
+
+def format_metrics(m: dict, result: RunResult | None = None, *, slo: metrics.SLO | None = None,
+                   good: int | None = None) -> str:
+    """A plain two-column table of the headline metrics (seconds shown in ms where small).
+
+    With ``slo`` and ``good`` (completed requests meeting it: ``metrics.good_requests``), a
+    goodput row. ``gpu_utilization`` is the contract's fraction of ticks whose batch was
+    non-empty; ``gpu_busy_fraction`` (with a ``result`` whose simulated GPU did the work) is
+    the time spent in ``forward`` over the duration (first submit to last completion).
+    """
     rows = [
         ("requests finished", f"{m['requests_finished']}"),
         ("requests refused", f"{m['refusals']}" + (f"  {m['refusals_by_reason']}" if m["refusals"] else "")),
         ("output tokens", f"{m['output_tokens']}"),
         ("throughput (output tok/s)", f"{m['throughput_tokens_per_sec']:.1f}"),
-        ("avg e2e latency", f"{m['avg_latency_s']:.3f} s"),
-        ("p50 / p99 e2e latency", f"{m['e2e_p50_s']:.3f} / {m['p99_latency_s']:.3f} s"),
-        ("TTFT mean / p50 / p99", f"{m['ttft_mean_s']*1e3:.1f} / {m['ttft_p50_s']*1e3:.1f} / {m['ttft_p99_s']*1e3:.1f} ms"),
-        ("TPOT p50 / p99", f"{m['tpot_p50_s']*1e3:.1f} / {m['tpot_p99_s']*1e3:.1f} ms"),
-        ("ITL p50 / p99", f"{m['itl_p50_s']*1e3:.1f} / {m['itl_p99_s']*1e3:.1f} ms"),
+        ("request throughput (req/s)", f"{m['request_throughput']:.2f}"),
+    ]
+    if slo is not None and good is not None:
+        d = m["duration_s"]
+        rows.append(("goodput (req/s meeting the SLOs)",
+                     f"{good / d if d > 0 else 0.0:.2f}  ({good} of {m['requests_finished']} requests: "
+                     f"{_slo_text(slo)})"))
+    rows += [
+        ("e2e mean / p50 / p90 / p95 / p99", _spread(m, "e2e", 1.0) + " s"),
+        ("TTFT mean / p50 / p90 / p95 / p99", _spread(m, "ttft", 1e3) + " ms"),
+        ("TPOT mean / p50 / p90 / p95 / p99", _spread(m, "tpot", 1e3) + " ms"),
+        ("ITL mean / p50 / p90 / p95 / p99", _spread(m, "itl", 1e3) + " ms"),
         ("queue time p50 / p99", f"{m['queue_p50_s']*1e3:.1f} / {m['queue_p99_s']*1e3:.1f} ms"),
-        ("gpu_utilization (non-empty ticks)", f"{m['gpu_utilization']:.3f}"),
+        ("gpu_utilization (non-empty ticks)",
+         f"{m['gpu_utilization']:.3f}  (the contract's: fraction of ticks whose batch was non-empty)"),
+    ]
+    busy = result.gpu_busy_fraction(m["duration_s"]) if result is not None else None
+    if busy is not None:
+        rows.append(("gpu_busy_fraction", f"{busy:.3f}  (time in forward / duration, first submit to last "
+                                          "completion)"))
+    rows += [
         ("avg batch (requests / tokens)", f"{m['avg_batch_requests']:.1f} / {m['avg_batch_tokens']:.1f}"),
         ("KV utilization (avg of cap)", f"{m['kv_utilization']:.3f}"),
         ("preemptions", f"{m['preemptions']}"),
@@ -157,10 +237,8 @@ def format_metrics(m: dict, result: RunResult | None = None) -> str:
     ]
     if result is not None:
         rows.append(("clock seconds / wall seconds", f"{result.sim_s:.2f} / {result.wall_s:.2f}"))
-        if result.sim_s > 0 and result.busy_s:
-            rows.append(("GPU busy fraction of clock time", f"{result.busy_s / result.sim_s:.3f}"))
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    assert max(len(k) for k, _ in rows) <= _LABEL_WIDTH
+    return "\n".join(f"{k:<{_LABEL_WIDTH}}  {v}" for k, v in rows)
 
 
 def _count(lo: int) -> Callable[[str], int]:
@@ -243,9 +321,27 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--device", default=None, help="with --backend model: torch device (default: cuda if present)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
                    help="with --backend model: model and KV cache dtype (default float32)")
+    p.add_argument("--policy", choices=tuple(POLICIES), default="vtc",
+                   help="admission and victim policy: " + "; ".join(f"{k}: {v[2]}" for k, v in POLICIES.items()))
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object of the metrics (vLLM benchmark_serving's names: mean_ttft_ms, "
+                        "p99_tpot_ms, request_throughput, request_goodput, ...) and nothing else on stdout")
+    p.add_argument("--slo-ttft-ms", type=_positive_float, default=DEFAULT_SLO_TTFT_MS,
+                   help=f"goodput SLO on time to first token, ms (default {DEFAULT_SLO_TTFT_MS:g})")
+    p.add_argument("--slo-tpot-ms", type=_positive_float, default=DEFAULT_SLO_TPOT_MS,
+                   help=f"goodput SLO on time per output token after the first, ms (default {DEFAULT_SLO_TPOT_MS:g})")
+    p.add_argument("--slo-e2el-ms", type=_positive_float, default=None,
+                   help="goodput SLO on end-to-end latency, ms (default: none)")
     a = p.parse_args(argv)
     if a.backend == "model" and a.clock == "virtual":
         p.error("--backend model runs on the real clock (its iteration time is the model's)")
+    sched_cls, make_policy, _ = POLICIES[a.policy]
+    if a.backend == "model" and sched_cls is not Scheduler:
+        p.error(f"--policy {a.policy} runs on the stub backend only (with --backend model: "
+                f"{', '.join(k for k, v in POLICIES.items() if v[0] is Scheduler)})")
+    slo = metrics.SLO(ttft_s=a.slo_ttft_ms / 1e3, tpot_s=a.slo_tpot_ms / 1e3,
+                      e2el_s=None if a.slo_e2el_ms is None else a.slo_e2el_ms / 1e3)
+    out = (lambda *args: None) if a.json else print  # --json: the JSON object only on stdout
 
     if a.trace:
         try:
@@ -273,26 +369,58 @@ def _main(argv: Sequence[str] | None) -> int:
                                              num_blocks=kw.pop("kv_cap_blocks", 256))
         except (FileNotFoundError, model_backend.DeviceError) as e:  # --model nowhere, --device absent
             p.error(str(e))
-        res = run_workload(reqs, make_scheduler=backend.make_scheduler, virtual=False, progress=progress, **kw)
+        make = backend.make_scheduler
+        if make_policy is not None:
+            make = lambda **k: backend.make_scheduler(policy=make_policy(), **k)  # noqa: E731
+        res = run_workload(reqs, make_scheduler=make, virtual=False, progress=progress, **kw)
         virtual = False
-        print(f"Batch on {label}, model backend: {backend.describe()}")
+        label += f", model backend: {backend.describe()}"
     else:
-        res = run_workload(reqs, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p, progress=progress,
-                           **kw)
-        print(f"Batch on {label}")
+        make = sched_cls if make_policy is None else lambda **k: sched_cls(policy=make_policy(), **k)  # noqa: E731
+        res = run_workload(reqs, make_scheduler=make, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p,
+                           progress=progress, **kw)
     s = res.scheduler
-    print(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.kv_cap_blocks} blocks x "
-          f"{s.block_tokens} tokens; prefill chunk {s.prefill_chunk_tokens}; policy {type(s.policy).__name__}")
-    print(format_metrics(s.metrics(), res))
+    m = s.metrics()
+    good = metrics.good_requests(res.completed(), slo)
+    if a.json:
+        print(json.dumps(json_metrics(m, res, slo=slo, good=good, policy=a.policy,
+                                      policy_class=type(s.policy).__name__, scheduler_class=type(s).__name__,
+                                      backend=a.backend, clock="virtual" if virtual else "real", workload=label),
+                         indent=2))
+        return 0
+    out(f"Batch on {label}")
+    out(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.kv_cap_blocks} blocks x "
+        f"{s.block_tokens} tokens; prefill chunk {s.prefill_chunk_tokens}; policy {type(s.policy).__name__} "
+        f"(--policy {a.policy})")
+    out(format_metrics(m, res, slo=slo, good=good))
     iso = getattr(s, "isolation", None)
     if iso is not None and iso.model.ready:
         a_s, per_req_s, per_tok_s = iso.model.coefficients()
-        print(f"learned iteration latency: {a_s * 1e3:.3f} ms + {per_req_s * 1e6:.1f} us/request + "
-              f"{per_tok_s * 1e6:.2f} us/token ({iso.model.observations} iterations observed)")
+        out(f"learned iteration latency: {a_s * 1e3:.3f} ms + {per_req_s * 1e6:.1f} us/request + "
+            f"{per_tok_s * 1e6:.2f} us/token ({iso.model.observations} iterations observed)")
     if res.refused:
         r, e = res.refused[0]
-        print(f"first refusal: {r.request_id}: {type(e).__name__}: {e}")
+        out(f"first refusal: {r.request_id}: {type(e).__name__}: {e}")
     return 0
+
+
+def json_metrics(m: dict, result: RunResult, *, slo: metrics.SLO, good: int, **context: object) -> dict:
+    """What ``--json`` prints: ``context`` (policy, backend, clock, workload), then vLLM
+    ``benchmark_serving``'s keys (``metrics.benchmark_metrics``), the goodput's SLOs and
+    count, Batch's own figures, and the whole ``Scheduler.metrics()`` under ``scheduler_metrics``."""
+    return {
+        **context,
+        **metrics.benchmark_metrics(m, good_completed=good),
+        "goodput_slo_ms": slo.as_ms(),
+        "good_completed": good,
+        "refused": m["refusals"],
+        "preemptions": m["preemptions"],
+        "gpu_utilization": m["gpu_utilization"],  # the contract's: fraction of ticks whose batch was non-empty
+        "gpu_busy_fraction": result.gpu_busy_fraction(m["duration_s"]),  # time in forward / duration
+        "clock_s": result.sim_s,
+        "wall_s": result.wall_s,
+        "scheduler_metrics": m,
+    }
 
 
 if __name__ == "__main__":
