@@ -24,6 +24,7 @@ latency, the same rule stops isolating when it would not pay.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -37,6 +38,9 @@ from spec.lifecycle import WAITING_STATES
 MAX_SIT_OUT_TICKS = 8
 #: Default: isolate only when the isolated iteration is predicted this many times faster.
 MIN_SPEEDUP = Fraction(3, 2)
+#: Default window after a light user's request was prefilling in which the iteration target applies,
+#: seconds (bench/target_sweep.py: 0.25 s halved the throughput cost of 1 s at the same A/B ratios).
+ACTIVE_WINDOW_S = 0.25
 
 
 class LatencyModel:
@@ -187,6 +191,7 @@ class PlanDraft:
         sat_out: resident requests that sit out this iteration (output).
         reserve: a request that gets the reservation after this iteration (output).
         isolated: whether over-served requests sit out (output).
+        trimmed: whether they sit out to meet the iteration target (output; never with ``isolated``).
         protected_updates: user -> protected, the hysteresis states to commit (output).
     """
 
@@ -204,6 +209,7 @@ class PlanDraft:
     sat_out: list[Any] = field(default_factory=list)
     reserve: Any = None
     isolated: bool = False
+    trimmed: bool = False
     protected_updates: dict[str, bool] = field(default_factory=dict)
 
     def drop(self, seqs: list[Any]) -> None:
@@ -225,18 +231,43 @@ class Isolation:
         min_speedup: isolate only when the model predicts the iteration this many times faster.
         enter_share: a user is protected at or below this fraction of its fair share.
         model: the ``LatencyModel`` (a fresh one by default).
+        iteration_target_s: a latency target for each iteration, seconds, or ``None`` (off, the
+            default). While a protected user is *active* (one of its requests was prefilling
+            toward its first token within the last ``active_window_s``, and it still has a
+            request in flight), an iteration the latency model predicts longer than the target
+            sits out over-served users' requests (this iteration's admissions first, then
+            residents that sat out the fewest iterations in a row, newest admission first; none
+            that sat out K in a row: ``spec.fairness_rules.may_trim``) until the prediction
+            meets it. A light user's next request then waits behind a short iteration rather
+            than a full one. In the spirit of Sarathi-Serve sizing its token budget from a TBT
+            SLO (Agrawal et al., OSDI 2024), applied through the learned latency model and only
+            while a light user is active. It costs throughput while active: ``docs/fairness.md``,
+            section 9.
+        active_window_s: how long after a protected user's request was last prefilling toward
+            its first token the target applies, seconds (a light user that just sent a request
+            is likely to send the next one soon).
 
     Raises:
         ValueError: a parameter is out of range.
 
     Invariant: ``0 <= streak <= max_sit_out_ticks`` (``sit_out_allowed`` guards every isolated
-    iteration and ``next_streak`` resets on every other one).
+    iteration and ``streak_after`` resets on every other one). A request sits out at most ``K``
+    iterations in a row without a target, ``target_sit_out_bound(K) = 2K`` with one.
     """
 
     def __init__(self, *, max_sit_out_ticks: int = MAX_SIT_OUT_TICKS, min_speedup: float | Fraction = MIN_SPEEDUP,
-                 enter_share: float | Fraction = Fraction(1, 2), model: LatencyModel | None = None) -> None:
+                 enter_share: float | Fraction = Fraction(1, 2), model: LatencyModel | None = None,
+                 iteration_target_s: float | None = None, active_window_s: float = ACTIVE_WINDOW_S) -> None:
         if isinstance(max_sit_out_ticks, bool) or not isinstance(max_sit_out_ticks, int) or max_sit_out_ticks < 1:
             raise ValueError(f"max_sit_out_ticks must be an int >= 1, got {max_sit_out_ticks!r}")
+        if iteration_target_s is not None and (isinstance(iteration_target_s, bool)
+                                               or not isinstance(iteration_target_s, (int, float))
+                                               or not 0.0 < iteration_target_s < math.inf):
+            raise ValueError(f"iteration_target_s must be None or a finite number of seconds > 0, "
+                             f"got {iteration_target_s!r}")
+        if isinstance(active_window_s, bool) or not isinstance(active_window_s, (int, float)) \
+                or not 0.0 <= active_window_s < math.inf:
+            raise ValueError(f"active_window_s must be a finite number of seconds >= 0, got {active_window_s!r}")
         speed = Fraction(min_speedup).limit_denominator(1000)
         share = Fraction(enter_share).limit_denominator(1000)
         if speed < 1 or not 0 < share < 1:
@@ -246,18 +277,37 @@ class Isolation:
         self.enter_share = share
         self.model = model if model is not None else LatencyModel()
         self.peek_candidates = 16  # waiting candidates looked at when a growth preemption stops admission
+        self.iteration_target_s = None if iteration_target_s is None else float(iteration_target_s)
+        self._target_us = None if iteration_target_s is None else int(round(iteration_target_s * 1e6))
         self.streak = 0
         self.protected: dict[str, bool] = {}
         self.isolated_ticks = 0
+        self.trimmed_ticks = 0
+        self.active_window_s = float(active_window_s)
+        self._last_prefill_s: dict[str, float] = {}  # protected user -> last clock reading with a first-token prefill
+        self._sat_out_run: dict[Any, int] = {}  # request -> iterations sat out in a row (with a target only)
 
     def refine(self, d: PlanDraft, sched: Any) -> None:
-        """Apply protection, room-making and isolation to a draft plan (no state changes).
+        """Apply protection, room-making, isolation and the iteration target to a draft plan
+        (no state changes).
 
         Args:
             d: the draft, changed in place.
             sched: the ``Scheduler`` (read only): resident counts per user, weights, block
                 arithmetic, the policy's victim choice.
         """
+        self._protect(d, sched)
+        if self._target_us is not None:
+            if d.pending:
+                now = sched.clock()
+                for q in d.pending:
+                    if d.protected_updates.get(q.user_id, self.protected.get(q.user_id, False)):
+                        self._last_prefill_s[q.user_id] = now
+            if not d.isolated:
+                self._trim(d, sched)
+
+    def _protect(self, d: PlanDraft, sched: Any) -> None:
+        """Protection, room-making and isolation (steps 1-3 of the module docstring)."""
         if not d.pending and not d.blocked and d.stop != "preempted":
             return
         weight_of = sched._weight_of
@@ -451,10 +501,78 @@ class Isolation:
         d.reserve = wanted[0]
         return True
 
-    def commit(self, isolated: bool, protected_updates: dict[str, bool]) -> None:
-        """After the iteration ran: advance the sit-out streak and the hysteresis states."""
-        self.streak = fr.next_streak(self.streak, isolated)
+    def _trim(self, d: PlanDraft, sched: Any) -> None:
+        """The iteration target (``iteration_target_s``): while a protected user is active, sit
+        out over-served users' requests until the model predicts the iteration within the target.
+
+        Candidates, cut first to last: this iteration's admissions of over-served users (they
+        stay waiting), then their resident requests, fewest iterations sat out in a row first,
+        then newest admission first, none that sat out K in a row (``may_trim``), so they take
+        turns. Never the reservation holder, never a protected user's request; at least one
+        request stays. Only with an identified latency model (``LatencyModel.ready``).
+        """
+        if not d.order or not self.model.ready:
+            return
+        res, waiting = sched._resident_by_user, sched._waiting_by_user
+        last = self._last_prefill_s
+        for u in [u for u in last if res.get(u, 0) + waiting.get(u, 0) == 0
+                  or not d.protected_updates.get(u, self.protected.get(u, False))]:
+            del last[u]  # left, or no longer protected
+        if not last:
+            return
+        now = sched.clock()
+        if not any(now - t <= self.active_window_s for t in last.values()):
+            return
+        n = len(d.order) + len(d.admitted)
+        tokens = sum(g[0] for g in d.grants.values())
+        target, predict = self._target_us, self.model.predict_us
+        if not fr.over_target(predict(n, tokens), target):
+            return
+        counts: dict[str, int] = {}
+        for q in itertools.chain(d.order, d.admitted):
+            counts[q.user_id] = counts.get(q.user_id, 0) + 1
+        weight_of = sched._weight_of
+        total_w = sum(weight_of(u) for u in counts)
+        over = {u for u, c in counts.items() if u not in last and fr.over_served(c, weight_of(u), n, total_w)}
+        if not over:
+            return
+        r, run, K = sched._reserved, self._sat_out_run, self.max_sit_out_ticks
+        residents = [(run.get(q, 0), -i, q) for i, q in enumerate(d.order)
+                     if q.user_id in over and q is not r and fr.may_trim(run.get(q, 0), K)]
+        residents.sort(key=lambda x: x[:2])
+        cands = itertools.chain((q for q in reversed(d.admitted) if q.user_id in over and q is not r),
+                                (q for _, _, q in residents))
+        cut: list[Any] = []
+        for q in cands:
+            if n <= 1 or not fr.over_target(predict(n, tokens), target):
+                break
+            cut.append(q)
+            n -= 1
+            tokens -= d.grants[q][0]
+        if not cut:
+            return
+        gone = set(cut)
+        d.sat_out = [q for q in d.order if q in gone]
+        d.drop(cut)
+        d.trimmed = True
+
+    def commit(self, isolated: bool, protected_updates: dict[str, bool], sat_out: Sequence[Any] = (),
+               trimmed: bool = False) -> None:
+        """After the iteration ran: advance the sit-out streak and the hysteresis states.
+
+        Args:
+            isolated: over-served requests sat out for a protected request's prefill.
+            protected_updates: user -> protected, from the plan.
+            sat_out: the requests that sat out (counted per request when a target is set).
+            trimmed: they sat out to meet the iteration target (``streak_after``).
+        """
+        self.streak = fr.streak_after(self.streak, isolated, trimmed)
         if isolated:
             self.isolated_ticks += 1
+        if trimmed:
+            self.trimmed_ticks += 1
+        if self._target_us is not None and (sat_out or self._sat_out_run):
+            run = self._sat_out_run
+            self._sat_out_run = {q: run.get(q, 0) + 1 for q in sat_out}
         if protected_updates:
             self.protected.update(protected_updates)

@@ -187,6 +187,7 @@ class SchedulePlan:
         reserve: the request that holds the reservation after this iteration (room was made
             for it by preemption), or None.
         isolated: whether this iteration is isolated (``sat_out`` or deferred admissions).
+        trimmed: whether ``sat_out`` sit out to meet ``Isolation.iteration_target_s`` (then not isolated).
         protected_updates: user -> protected (TTFT protection hysteresis states to commit).
     """
 
@@ -200,6 +201,7 @@ class SchedulePlan:
     reserve: _Seq | None = None
     isolated: bool = False
     protected_updates: dict[str, bool] = field(default_factory=dict)
+    trimmed: bool = False
 
     @property
     def requests(self) -> list[Request]:
@@ -785,7 +787,7 @@ class Scheduler:
                             num_batched_tokens=sum([s.num_new_tokens for s in batch]),
                             free_blocks_after=d.free_blocks, admission_stop=d.stop, sat_out=tuple(d.sat_out),
                             blocked=_first_not_in(d.blocked, d.admitted), reserve=d.reserve,
-                            isolated=d.isolated, protected_updates=d.protected_updates)
+                            isolated=d.isolated, protected_updates=d.protected_updates, trimmed=d.trimmed)
 
     def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
         """Before ``forward``: free the victims' blocks and grant the plan's blocks.
@@ -916,7 +918,7 @@ class Scheduler:
             if self._reserved is None and fr.reserved_after(b.blocked_ticks, self.aging_ticks):
                 self._reserved = b
         if self.isolation is not None:
-            self.isolation.commit(plan.isolated, plan.protected_updates)
+            self.isolation.commit(plan.isolated, plan.protected_updates, plan.sat_out, plan.trimmed)
             if plan.batch and iteration_start_s is not None:  # learn the latency of our own forward
                 self.isolation.model.observe(len(plan.batch), plan.num_batched_tokens, now - start_s)
         self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)

@@ -22,7 +22,8 @@ Harness styles:
 
 Usage (from the project root; needs only the scheduler's own closure, stdlib + transitions)::
 
-    python bench/cold_fairness.py [--seeds 20] [--styles at_once,when_due] [--policies batch,fcfs] [--json]
+    python bench/cold_fairness.py [--seeds 20] [--styles at_once,when_due] [--policies batch,fcfs,target]
+                                  [--target-ms 15] [--json]
 
 Prints, per style, one line per seed (B with A, B alone, ratio) and a summary line: median and
 worst ratio over the seeds and how many exceed 2.0 (the seed problem's limit). Takes about
@@ -40,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STYLES = ("at_once", "when_due", "arrival")
-POLICIES = ("batch", "fcfs")
+POLICIES = ("batch", "fcfs", "target")
 N_A, N_B, WINDOW_S = 100, 5, 1.0
 
 
@@ -52,6 +53,7 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
     sys.path.insert(0, str(ROOT))
     import scheduler
     from inference_stub import Request
+    from isolation import Isolation
     from policy import FCFSPolicy
 
     rnd = random.Random(1000 + seed)
@@ -65,7 +67,12 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
     arrivals = sorted(((rnd.uniform(0.0, WINDOW_S), r) for r in a + b), key=lambda x: x[0])
     if not with_a:
         arrivals = [(t, r) for t, r in arrivals if r.user_id == "B"]
-    s = scheduler.Scheduler() if policy == "batch" else scheduler.Scheduler(policy=FCFSPolicy())
+    if policy == "batch":
+        s = scheduler.Scheduler()
+    elif policy == "fcfs":
+        s = scheduler.Scheduler(policy=FCFSPolicy())
+    else:  # "target:MS"
+        s = scheduler.Scheduler(isolation=Isolation(iteration_target_s=float(policy.split(":")[1]) / 1e3))
     if style == "at_once":
         for _, r in arrivals:
             s.submit(r)
@@ -130,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 (default 20)")
     p.add_argument("--styles", default="at_once,when_due", help=f"comma-separated, of {', '.join(STYLES)}")
-    p.add_argument("--policies", default="batch", help="comma-separated, of batch (Scheduler() as it ships) "
-                   "and fcfs (Scheduler(policy=FCFSPolicy()), the baseline); default batch")
+    p.add_argument("--policies", default="batch", help="comma-separated, of batch (Scheduler() as it ships), "
+                   "fcfs (Scheduler(policy=FCFSPolicy()), the baseline) and target (Scheduler(isolation="
+                   "Isolation(iteration_target_s=--target-ms))); default batch")
+    p.add_argument("--target-ms", type=float, default=15.0, help="the iteration target of policy target, ms "
+                   "(default 15)")
     p.add_argument("--json", action="store_true", help="also print the ratios as one JSON line")
     p.add_argument("--child", nargs=4, metavar=("SEED", "STYLE", "WITH_A", "POLICY"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -142,11 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in styles if s not in STYLES] + [q for q in policies if q not in POLICIES]
     if bad or a.seeds < 1:
         p.error(f"unknown style or policy {bad[0]!r}" if bad else "--seeds must be >= 1")
+    if not 0 < a.target_ms < float("inf"):
+        p.error("--target-ms must be a positive number")
     table: dict[str, list[float]] = {}
     summary = []
     for policy in policies:
         for style in styles:
-            rs = ratios(range(a.seeds), style, policy=policy, echo=True)
+            rs = ratios(range(a.seeds), style, policy=f"target:{a.target_ms}" if policy == "target" else policy,
+                        echo=True)
             table[f"{policy}/{style}"] = rs
             summary.append(f"{policy:5s} {style:8s} median {statistics.median(rs):6.2f}  worst {max(rs):6.2f}  "
                            f"over 1.5: {sum(r > 1.5 for r in rs):2d}/{len(rs)}  "

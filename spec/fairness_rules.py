@@ -269,3 +269,29 @@ def next_streak(streak_ticks: Int, isolated: Bool) -> Int:
 def isolation_pays(full_us: Int, isolated_us: Int, speedup_num: Int, speedup_den: Int) -> Bool:
     """The learned latency model predicts the isolated iteration at least ``num/den`` times faster."""
     return full_us * speedup_den >= speedup_num * isolated_us
+
+
+def may_trim(sat_out_run: Int, max_sit_out_ticks: Int) -> Bool:
+    """A request may sit out to bring an iteration under the latency target (``Isolation``'s
+    ``iteration_target_s``) while it has sat out fewer than K iterations in a row (isolated or
+    trimmed ones; ``sat_out_run``)."""
+    return sat_out_run < max_sit_out_ticks
+
+
+def streak_after(streak_ticks: Int, isolated: Bool, trimmed: Bool) -> Int:
+    """The isolation streak after an iteration: ``next_streak``; a trimmed iteration is not
+    isolated, so it ends the streak like a full one."""
+    return next_streak(streak_ticks, And(isolated, Not(trimmed)))
+
+
+def target_sit_out_bound(max_sit_out_ticks: Int) -> Int:
+    """Most consecutive iterations one request sits out with an iteration target: ``2K`` (fewer
+    than K before a trimmed one, ``may_trim``, then at most K isolated ones before the next full
+    or trimmed iteration, in which it cannot be cut again; ``spec.verify_fairness``:
+    ``sit_out_bound_with_target``)."""
+    return 2 * max_sit_out_ticks
+
+
+def over_target(predicted_us: Int, target_us: Int) -> Bool:
+    """The learned latency model predicts the iteration longer than the target, microseconds."""
+    return predicted_us > target_us

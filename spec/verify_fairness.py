@@ -424,6 +424,60 @@ def check_sit_out_bound(opts: Options) -> Outcome:
     return Outcome("proved", bound, "unsat; assumptions sat")
 
 
+@register("sit_out_bound_with_target",
+          "with an iteration target (Isolation(iteration_target_s=...)), one request sits out at most "
+          "target_sit_out_bound(K) = 2K iterations in a row: 0 <= streak <= K and run <= streak + K are "
+          "inductive for any K under sit_out_allowed, may_trim and streak_after, whatever mix of isolated, "
+          "trimmed and full iterations and whether the request is cut; no 2K+1 sit-outs in a row exist")
+def check_sit_out_bound_with_target(opts: Options) -> Outcome:
+    z3 = _z3()
+    k, s, c = z3.Ints("K streak run")
+    iso, trim, out = z3.Bools("isolated trimmed sits_out")
+    # One iteration: isolated (sit_out_allowed) or trimmed (then the request is cut only under
+    # may_trim) or neither (full: nobody sits out); `out`: this request sits out in it.
+    step = [k >= 1, s >= 0, s <= k, c >= 0, c <= s + k,
+            Not(And(iso, trim)), Implies(iso, fr.sit_out_allowed(s, k)),
+            Implies(And(trim, out), fr.may_trim(c, k)), Implies(out, Or(iso, trim))]
+    s1 = fr.streak_after(s, iso, trim)
+    c1 = If(out, c + 1, 0)
+    status, info = _prove(step, [("0 <= streak' <= K", And(s1 >= 0, s1 <= k)),
+                                 ("run' <= streak' + K", c1 <= s1 + k),
+                                 ("run' <= target_sit_out_bound(K)", c1 <= fr.target_sit_out_bound(k))],
+                          opts.timeout_s)
+    bound = (f"inductive step for any K >= 1; runs of 2K+1 iterations from a fresh request for K in "
+             f"{[x for x in SIT_OUT_KS if x >= 1]}")
+    if status == "counterexample":
+        m, bad = info
+        return Outcome("counterexample", bound, counterexample=StateCounterexample(
+            "one iteration", bad, {"K": _val(m, k), "streak": _val(m, s), "run": _val(m, c), "isolated": _val(m, iso),
+                                   "trimmed": _val(m, trim), "sits out": _val(m, out)}))
+    if status != "proved":
+        return Outcome("unknown", bound, f"{status} {info or ''}")
+    for K in (x for x in SIT_OUT_KS if x >= 1):
+        n = 2 * K + 1
+        st, rn = z3.Int("streak_0"), z3.IntVal(0)
+        isos = [z3.Bool(f"isolated_{t}") for t in range(n)]
+        trims = [z3.Bool(f"trimmed_{t}") for t in range(n)]
+        outs = [z3.Bool(f"sits_out_{t}") for t in range(n)]
+        asm = [st >= 0, st <= K]
+        cur: Any = st
+        for t in range(n):
+            asm += [Not(And(isos[t], trims[t])), Implies(isos[t], fr.sit_out_allowed(cur, K)),
+                    Implies(And(trims[t], outs[t]), fr.may_trim(rn, K)), Implies(outs[t], Or(isos[t], trims[t]))]
+            nxt = z3.Int(f"streak_{t + 1}")
+            asm.append(nxt == fr.streak_after(cur, isos[t], trims[t]))
+            cur, rn = nxt, If(outs[t], rn + 1, 0)
+        status, info = _prove(asm, [(f"not {n} sit-outs in a row", Not(And(*outs)))], opts.timeout_s, split=False)
+        if status == "counterexample":
+            m, bad = info
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(
+                f"{n} iterations, K={K}", bad, {"streak_0": _val(m, st), "isolated": [_val(m, x) for x in isos],
+                                                "trimmed": [_val(m, x) for x in trims]}))
+        if status != "proved":
+            return Outcome("unknown", bound, f"K={K}: {status} {info or ''}")
+    return Outcome("proved", bound, "unsat; assumptions sat")
+
+
 # ---------------------------------------------------------------- 1'. the counter gap, bounded runs
 
 #: The bounded runs of the VTC pick: depth (ticks), resident slots per user, admissions per

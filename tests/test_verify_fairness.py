@@ -20,17 +20,21 @@ OPTS = Options(timeout_s=60.0)
 
 def test_fairness_checks_are_registered_with_spec_verify():
     verify._load_plugins()
-    for name in ("vtc_counter_gap", "vtc_counter_gap_bmc", "vtc_lift", "no_starvation_aging", "sit_out_bound"):
+    for name in ("vtc_counter_gap", "vtc_counter_gap_bmc", "vtc_lift", "no_starvation_aging", "sit_out_bound",
+                 "sit_out_bound_with_target"):
         assert name in verify.CHECKS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc, vf.check_vtc_lift,
-                                   vf.check_no_starvation_aging, vf.check_sit_out_bound])
+                                   vf.check_no_starvation_aging, vf.check_sit_out_bound,
+                                   vf.check_sit_out_bound_with_target])
 def test_check_proves_the_rules_as_written(check):
     out = check(OPTS)
     assert out.status == "proved", out
 
 
+@pytest.mark.slow
 def test_paper_bound_is_not_inductive_for_continuous_batching_but_the_derived_one_is():
     out = vf.check_vtc_counter_gap(OPTS)
     assert "398 as G with N=2 resident requests per user: counterexample" in out.detail
@@ -76,6 +80,9 @@ BUGS = {
     "sit-out cap removed": ("sit_out_allowed", lambda s, k: True,
                             [vf.check_sit_out_bound, vf.check_no_starvation_aging]),
     "streak never counts": ("next_streak", lambda s, iso: 0, [vf.check_sit_out_bound]),
+    "trim cap off by one": ("may_trim", lambda run, k: run <= k, [vf.check_sit_out_bound_with_target]),
+    "trim never capped": ("may_trim", lambda run, k: run == run, [vf.check_sit_out_bound_with_target]),
+    "streak reset by every iteration": ("streak_after", lambda s, iso, trim: 0 * s, [vf.check_sit_out_bound_with_target]),
     "wait bound one tick short": ("admission_wait_bound", lambda t, k, l: t + (k + 1) * l,
                                   [vf.check_no_starvation_aging]),
     "may_pass_reservation non-strict": ("may_pass_reservation", lambda c, m: c <= m, [vf.check_no_starvation_aging]),
@@ -83,6 +90,7 @@ BUGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_planted_bug_gives_a_counterexample(bug, monkeypatch):
     name, wrong, checks = BUGS[bug]
