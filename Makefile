@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: run test verify bench bench-big bench-cold bench-vllm clean clean-vllm
+.PHONY: run test test-fast verify bench bench-big bench-cold bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ run: $(RUN_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
+
+# The suite without the tests marked slow (proofs, long stateful runs, subprocesses; pyproject.toml).
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -m "not slow"
 
 verify: $(TEST_STAMP)
 	$(BIN)/python -m spec.verify

@@ -87,6 +87,7 @@ def test_ramp_term_sets_the_bound_when_the_cache_cannot_fill_yet():
     assert b.min_duration_s > b0.min_duration_s
 
 
+@pytest.mark.slow
 def test_no_policy_beats_the_bound_where_the_ramp_term_sets_it():
     rng = random.Random(1)
     binding = 0

@@ -3,6 +3,7 @@
 Every scenario runs on the virtual clock or a scripted backend and asserts behaviour (who is
 admitted when, TTFT ratios in simulated time, counts of preemptions and sit-outs), never wall time.
 """
+import math
 import statistics
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import ScriptedBackend, StepClock, drain, make_req
 
 import bench_fairness as bf
 import simulate
+from inference_stub import SimulatedGPU, VirtualClock
 from isolation import Isolation, LatencyModel
 from policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
 from scheduler import Scheduler
@@ -69,6 +71,7 @@ def test_isolation_is_what_protects_b_at_once():
 # ---------------------------------------------------------------- flood, returning user, weights
 
 
+@pytest.mark.slow
 def test_flooding_user_cannot_push_another_users_ttft_above_the_bound():
     reqs = bf.flood(0, n_flood=1500, others=("B",), rate_per_s=4.0, horizon_s=20.0)
     res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler)
@@ -127,12 +130,14 @@ def _overload(**kw):
             bf.max_service_gap(res.scheduler.trace))
 
 
+@pytest.mark.slow
 def test_overload_vtc_is_fairer_than_fcfs_and_round_robin():
     vtc, _ = _overload(policy=VTCPolicy(tolerance_tokens=0))
     assert vtc >= 0.98 and vtc > _overload(policy=FCFSPolicy())[0] + 0.1
     assert vtc > _overload(policy=RoundRobinPolicy())[0] + 0.1
 
 
+@pytest.mark.slow
 def test_overload_service_gap_stays_within_the_tolerance_plus_what_strict_vtc_allows():
     """A tolerance of 4096 weighted tokens lets a user run ahead by about that much, and no more:
     the largest gap is strict VTC's plus the tolerance (measured: 765 and 4127)."""
@@ -264,6 +269,53 @@ def test_without_aging_backfill_starves_the_long_request():
     assert admitted - submitted > fr.admission_wait_bound(5, 0, 13)  # the bound above is not free
 
 
+# ---------------------------------------------------------------- the reservation holder before TTFT isolation
+
+
+def _ones(batch):
+    """A backend that never emits EOS (token 1 for every request)."""
+    return [1] * len(batch)
+
+
+def _reserved_heavy_request(num_heavy: int, num_aborted: int) -> tuple[Scheduler, object]:
+    """Default policy (VTC with isolation), 24 blocks of 4 tokens, aging after 2 ticks.
+
+    ``num_heavy`` decodes of user h fill the cache, then h's request r (36-token prompt, 10
+    blocks) does not fit for 2 ticks and holds the reservation; aborting ``num_aborted`` of
+    the decodes frees enough for r (10 blocks, no headroom for the reservation holder).
+    """
+    s = Scheduler(kv_cap_blocks=24, block_tokens=4, backend=_ones, clock=StepClock(), aging_ticks=2)
+    for i in range(num_heavy):
+        s.submit(make_req(f"h{i}", "h", 3, 1000))
+    s.tick()
+    r = make_req("r", "h", 36, 1000)
+    s.submit(r)
+    for _ in range(3):
+        s.tick()
+    assert s._reserved is not None and s._reserved.req is r and s.pool.num_free < 10
+    for i in range(num_aborted):
+        s.abort(f"h{i}")
+    assert s.pool.num_free >= 10  # r fits now
+    return s, r
+
+
+@pytest.mark.parametrize("num_aborted, light_prompt_tokens, how", [
+    (3, 4, "sit-out: r and the light request both fit; isolation cut r's admission"),
+    (2, 4, "room-making: the light request does not fit after r; r's admission was deferred for it"),
+    (2, 60, "room-making by preemption: the reservation moved from r to the light request"),
+])
+def test_the_reservation_holder_that_fits_is_admitted_before_anyone_isolation_protects(
+        num_aborted, light_prompt_tokens, how):
+    """docs/fairness.md section 4: once r holds the reservation "nothing is admitted before r"
+    (the no_starvation_aging model: a reservation admits nothing else). A light user's request
+    that TTFT isolation protects arrives in the tick where r fits: r must still be admitted."""
+    s, r = _reserved_heavy_request(8, num_aborted)
+    s.submit(make_req("t", "light", light_prompt_tokens, 5))
+    s.tick()
+    assert any(q.req is r for q in s.running), how
+    assert s._reserved is None, how
+
+
 # ---------------------------------------------------------------- isolation: sit-out bound, latency model
 
 
@@ -341,6 +393,56 @@ def test_latency_model_recovers_the_stub_and_uses_the_prior_before():
     a, b, c = m.coefficients()
     assert a == pytest.approx(0.005, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3) and c < 1e-7
     assert m.predict_us(31, 94) == 36000 and m.predict_us(0, 0) == 0
+
+
+def _fit(m: LatencyModel) -> None:
+    """Observations of 5 ms + 1 ms per request + 10 us per token, varied enough to identify the fit."""
+    for i in range(40):
+        n, t = 1 + i % 7, 1 + (i * 13) % 50
+        m.observe(n, t, 0.005 + 0.001 * n + 0.00001 * t)
+
+
+@pytest.mark.parametrize("duration_s", [math.inf, -math.inf, math.nan, -1.0])
+def test_a_non_finite_iteration_duration_does_not_poison_the_latency_model(duration_s):
+    """One infinite iteration duration turned the learned latency model's fit into NaN, clamped to
+    zero for good: every prediction 0 us, so TTFT isolation was judged to pay whatever it cost."""
+    m = LatencyModel()
+    _fit(m)
+    want = m.predict_us(8, 40)
+    assert want == pytest.approx(5000 + 8000 + 400, abs=5)
+    m.observe(3, 3, duration_s)
+    assert m.predict_us(8, 40) == want
+
+
+def test_an_infinite_clock_reading_after_forward_leaves_the_learned_latency_model_intact():
+    """On the simulated GPU (5 ms + 1 ms per request, virtual clock) the scheduler's model still
+    predicts the stub's latency after one tick whose end reads ``inf``."""
+    vc = VirtualClock()
+    gpu = SimulatedGPU(clock=vc, seed=0, eos_probability=0.0)
+    state = {"arm": False, "inf": False}
+
+    def clock() -> float:
+        if state["inf"]:
+            state["inf"] = False
+            return math.inf
+        return vc.now()
+
+    def forward(batch):
+        out = gpu.forward(batch)
+        state["inf"], state["arm"] = state["arm"], False  # the tick's reading right after forward
+        return out
+
+    s = Scheduler(backend=forward, clock=clock)
+    for i in range(30):  # batches of varied size and tokens identify the fit
+        s.submit(make_req(f"a{i}", user="A", n_prompt=10 + 7 * i, max_tokens=300))
+        s.tick()
+    for _ in range(30):
+        s.tick()
+    model = s.isolation.model
+    assert model.ready and model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
+    state["arm"] = True
+    s.tick()
+    assert model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
 
 
 # ---------------------------------------------------------------- the counter rules

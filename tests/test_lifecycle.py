@@ -87,6 +87,16 @@ def test_model_that_never_emits_eos_still_drains():
     assert len(done) == 40 and all(len(r.generated) == r.max_tokens for r in done)
 
 
+def test_a_negative_eos_token_id_never_matches():
+    """``eos_token_id=-1`` (worked before the knob checks): no token ends a request early."""
+    b = ScriptedBackend()
+    s = Scheduler(backend=b, eos_token_id=-1)
+    r = make_req("r", max_tokens=6)
+    b.eos_at["r"] = 2  # the backend's EOS (0) at the 2nd token is an ordinary token here
+    s.submit(r)
+    assert drain(s) == [r] and len(r.generated) == 6
+
+
 def test_kv_cap_under_pressure_never_exceeded_in_any_batch():
     be = ScriptedBackend()
     s = new(be)
@@ -155,6 +165,16 @@ def test_largest_admissible_prompt_runs_and_stops_at_cache_length():
     drain(s)
     assert len(r.generated) == 4  # 60 + 4 = 64 tokens: the cache is full, finish with "length"
     assert s.metrics()["finish_reasons"] == {"length": 1}
+
+
+def test_a_prompt_over_the_cap_is_refused_for_its_length_before_its_tokens_are_read():
+    """A 10M-token prompt took about a second to refuse: every token was checked first."""
+    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=4, block_tokens=4)
+    r = make_req("big", n_prompt=40, max_tokens=2)
+    r.prompt[-1] = -1  # an invalid id at the end: the length check must come first
+    with pytest.raises(PromptTooLongError):
+        s.submit(r)
+    assert not s.has_active()
 
 
 @pytest.mark.parametrize("bad, field", [

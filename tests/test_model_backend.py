@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs the 'model' extra: pip install -e '.[dev,model]'")
 pytest.importorskip("transformers", reason="needs the 'model' extra: pip install -e '.[dev,model]'")
 
-from conftest import StepClock  # noqa: E402
+from conftest import StepClock, drain, make_req  # noqa: E402
 
 torch.set_num_threads(1)  # tiny ops: intra-op threads only spin, and stall when the 2 cores are shared
 
@@ -286,6 +286,22 @@ def test_the_model_vocabulary_bounds_prompt_ids_at_submit_with_a_typed_error():
         while s.has_active():
             done += s.tick()
         assert [r.request_id for r in done] == ["ok"]
+
+
+def test_a_model_without_an_eos_id_does_not_stop_on_token_zero():
+    """``ModelBackend`` for a model without an EOS id gave the scheduler ``eos_token_id=None``,
+    which means the stub's EOS (token 0): the model's token 0 then ended every request."""
+    model = tiny_llama(seed=0, eos_token_id=None)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit ties at 0: greedy answers token 0 every time
+    backend = ModelBackend(model, num_blocks=8, block_tokens=4)
+    assert backend.eos_token_id is None
+    s = backend.make_scheduler(clock=StepClock())
+    r = make_req("r0", n_prompt=5, max_tokens=6)
+    s.submit(r)
+    drain(s)
+    assert r.generated == [0] * 6
+    assert s.metrics()["finish_reasons"] == {"length": 1}
 
 
 def test_paged_kv_cache_layout_and_poison():

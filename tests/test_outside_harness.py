@@ -85,6 +85,7 @@ def _install_by_copy(dist_name: str, site: Path, seen: set[str]) -> None:
             _install_by_copy(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0], site, seen)
 
 
+@pytest.mark.slow
 def test_the_seed_examples_run_where_only_transitions_is_installed(tmp_path):
     """A fresh virtual environment holding ``transitions`` (and what it requires) and nothing
     else runs the seed's three examples; the closure of ``scheduler``, ``inference_stub`` and
@@ -140,6 +141,7 @@ def _cold_fairness():
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["at_once", "when_due"])
 def test_the_seed_fairness_test_passes_cold_in_both_harness_styles(style):
     """The seed's limit, B's median TTFT with A within 2x of alone, each measurement the first

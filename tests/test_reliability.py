@@ -4,6 +4,7 @@ The hypothesis fuzzer is in ``test_fuzz.py``. ``docs/reliability.md`` maps each 
 to the test here that covers it.
 """
 import gc
+import math
 import sys
 import threading
 import time
@@ -285,6 +286,15 @@ def test_abort_finished_id_is_a_noop_and_id_can_be_reused():
     assert s.abort("a") is r2 and r.completed_at is not None
 
 
+def test_a_request_id_changed_after_submit_leaves_no_entry_behind():
+    s = Scheduler(backend=ScriptedBackend())
+    r = make_req("before", max_tokens=3)
+    s.submit(r)
+    r.request_id = "after"  # the caller's object: the scheduler keys it by the id it was submitted with
+    assert s.abort("after") is None
+    assert drain(s) == [r] and not s._by_id
+
+
 def test_aborted_requests_are_left_out_of_latency_and_throughput():
     s = new()
     a, b = make_req("a", max_tokens=4), make_req("b", max_tokens=50)
@@ -484,6 +494,268 @@ def test_keyboard_interrupt_in_forward_rolls_back_and_propagates():
     assert ([list(q.block_table) for q in s.running], [list(r.generated) for r in reqs], s.pool.num_free) == before
     assert len(drain(s)) == 4
     assert_idle_and_empty(s)
+
+
+def test_two_aborts_of_a_repeated_id_during_a_tick_reach_both_twins():
+    """Sequentially, abort("x") twice aborts both requests numbered "x". During a tick that holds
+    the oldest, the second abort used to find the same oldest (already claimed by the first),
+    return None, and leave the other twin running."""
+    gate = Gate()
+    gate.armed = False
+    s = Scheduler(backend=gate)
+    t0, t1 = make_req("x", max_tokens=50), make_req("x", max_tokens=50)
+    s.submit(t0)
+    s.submit(t1)
+    s.tick()  # both resident
+    gate.armed = True
+    ticker = threading.Thread(target=s.tick)
+    ticker.start()
+    assert gate.entered.wait(10)
+    out = []
+    a1 = threading.Thread(target=lambda: out.append(s.abort("x")))
+    a1.start()
+    wait_for(lambda: len(s._pending_aborts) == 1, "the first abort to be deferred")
+    a2 = threading.Thread(target=lambda: out.append(s.abort("x")))
+    a2.start()
+    wait_for(lambda: len(s._tick_done._waiters) == 2, "both aborts to wait for the tick")
+    gate.release.set()
+    for t in (ticker, a1, a2):
+        t.join(10)
+    assert sorted(map(id, out)) == sorted([id(t0), id(t1)])
+    assert not s.has_active() and not s._by_id
+
+
+# ---------------------------------------------------------------- a clock or an update_from_output that fails in a tick
+
+
+class FailingClock(StepClock):
+    """A ``StepClock`` whose next reading raises once ``fail_next`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_next = False
+
+    def __call__(self) -> float:
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError("clock read failed")
+        return super().__call__()
+
+
+class ArmsClock(ScriptedBackend):
+    """Answers like ``ScriptedBackend`` and makes the clock's next reading (the tick's, right
+    after ``forward``) raise, on the calls numbered in ``fail_on`` (1-based)."""
+
+    def __init__(self, clock: FailingClock, fail_on: set[int]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.fail_on = fail_on
+
+    def __call__(self, batch):
+        out = super().__call__(batch)
+        if len(self.batches) in self.fail_on:
+            self.clock.fail_next = True
+        return out
+
+
+def _state(s: Scheduler) -> tuple:
+    """What a rolled-back tick must leave as it was: tokens, blocks, counts, the KV ledger."""
+    reqs = sorted(s._by_obj.values(), key=lambda q: q.arrival_no)
+    return (tuple((q.request_id, q.state, q.num_computed_tokens, tuple(q.block_table), len(q.req.generated))
+                  for q in reqs), s.pool.num_used, len(s.running), len(s.policy), s.metrics()["ticks"])
+
+
+def _four_requests(clock: FailingClock, backend: ArmsClock) -> Scheduler:
+    """Four requests on 8 blocks of 4 tokens under FCFS: tick 1 admits all four, tick 2 decodes,
+    tick 3 preempts r3 and r2 to grow r0 and r1 by a block each."""
+    s = Scheduler(backend=backend, clock=clock, kv_cap_blocks=8, block_tokens=4, policy=FCFSPolicy())
+    for i in range(4):
+        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=12))
+    return s
+
+
+@pytest.mark.parametrize("fail_on", [1, 2, 3])  # an admitting tick, a decode tick, a preempting tick
+def test_a_clock_that_raises_after_forward_rolls_the_tick_back(fail_on):
+    """A clock raising when ``tick()`` read it after ``forward`` left the tick half-applied: the
+    plan's blocks granted (to requests still queued), the victims' blocks freed while they stayed
+    resident, and the tick marked in flight for ever, so an ``abort`` from another thread waited."""
+    clock = FailingClock()
+    backend = ArmsClock(clock, {fail_on})
+    s = _four_requests(clock, backend)
+    for _ in range(fail_on - 1):
+        s.tick()
+    before = _state(s)
+    with pytest.raises(OSError, match="clock read failed"):
+        s.tick()
+    s.check_integrity()
+    assert _state(s) == before, "the failed tick changed the scheduler"
+    # Nothing is left in flight: an abort from another thread returns at once.
+    out = []
+    t = threading.Thread(target=lambda: out.append(s.abort("r3")), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive() and out and out[0].request_id == "r3", "abort waited on a tick that is over"
+    done = drain(s)
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
+@pytest.mark.parametrize("clock", ["backwards", "nan"])
+def test_a_clock_that_goes_back_or_reads_nan_loses_nothing(clock):
+    """Admission, aging and preemption count ticks, not seconds: every request still finishes
+    and no block leaks; only the latency figures are meaningless."""
+    readings = iter(range(10**9))
+    read = {"backwards": lambda: 1000.0 - next(readings) * 0.001, "nan": lambda: math.nan}[clock]
+    s = Scheduler(backend=ScriptedBackend(), clock=read, kv_cap_blocks=16)
+    for i in range(24):
+        s.submit(make_req(f"r{i}", user=f"u{i % 3}", n_prompt=20 + 9 * i, max_tokens=30))
+    assert len(drain(s)) == 24
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
+class _AbortDuringForward(ScriptedBackend):
+    """Answers like ``ScriptedBackend``; on its ``at``-th call another thread aborts ``victim``
+    while the batch is being computed (the abort is deferred to the end of the tick), and the
+    clock is armed to raise on its second reading after ``forward``: the one that retires the
+    deferred aborts (the first is the tick's own reading)."""
+
+    def __init__(self, scheduler_box: list, clock: "CountdownClock", victim: str, at: int) -> None:
+        super().__init__()
+        self.box, self.clock, self.victim, self.at = scheduler_box, clock, victim, at
+        self.aborted: list = []
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, batch):
+        out = super().__call__(batch)
+        if len(self.batches) == self.at:
+            s = self.box[0]
+            self.thread = threading.Thread(target=lambda: self.aborted.append(s.abort(self.victim)), daemon=True)
+            self.thread.start()
+            for _ in range(500):  # until the abort is registered as deferred
+                if s._pending_aborts:
+                    break
+                threading.Event().wait(0.01)
+            assert s._pending_aborts, "the abort was not deferred"
+            self.clock.fail_at = 2
+        return out
+
+
+class CountdownClock(StepClock):
+    """A ``StepClock`` whose ``fail_at``-th reading from now raises (once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at = 0
+
+    def __call__(self) -> float:
+        if self.fail_at:
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise OSError("clock read failed")
+        return super().__call__()
+
+
+class _InterruptClock(CountdownClock):
+    """A ``CountdownClock`` that raises ``KeyboardInterrupt`` instead of ``OSError``."""
+
+    def __call__(self) -> float:
+        try:
+            return super().__call__()
+        except OSError:
+            raise KeyboardInterrupt from None
+
+
+@pytest.mark.parametrize("clock_cls, error", [(CountdownClock, OSError), (_InterruptClock, KeyboardInterrupt)])
+def test_a_clock_that_raises_while_deferred_aborts_are_applied_still_applies_them(clock_cls, error):
+    """A clock raising when the aborts deferred to the end of a tick were retired left them
+    unapplied and their ``abort`` calls waiting for good; the same with a ``KeyboardInterrupt``."""
+    clock = clock_cls()
+    box: list = []
+    backend = _AbortDuringForward(box, clock, victim="r1", at=2)
+    s = Scheduler(backend=backend, clock=clock, kv_cap_blocks=16, block_tokens=4, policy=FCFSPolicy())
+    box.append(s)
+    for i in range(3):
+        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=2 + 3 * i))  # r0 finishes on tick 2
+    s.tick()
+    with pytest.raises(error):
+        s.tick()
+    backend.thread.join(5)
+    assert not backend.thread.is_alive(), "the abort call still waits on a tick that is over"
+    assert [r.request_id for r in backend.aborted] == ["r1"]
+    assert [(r.request_id, why) for r, why in s.last_finished] == [("r0", "length")]  # the tick was applied
+    r1 = backend.aborted[0]
+    assert r1.completed_at is not None and r1.completed_at >= r1.submitted_at
+    s.check_integrity()
+    assert [r.request_id for r in drain(s)] == ["r2"]
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
+def _abort_in_thread(s: Scheduler, rid: str) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(s.abort(rid)), daemon=True)
+    t.start()
+    return t, out
+
+
+class _RaisesInUpdate(Scheduler):
+    """Its ``update_from_output`` raises once when ``fail`` is set (before applying anything)."""
+
+    fail = False
+
+    def update_from_output(self, plan, tokens, *, iteration_start_s=None):
+        if self.fail:
+            self.fail = False
+            raise ValueError("override failed")
+        return super().update_from_output(plan, tokens, iteration_start_s=iteration_start_s)
+
+
+def test_update_from_output_raising_inside_tick_leaves_no_tick_in_flight():
+    """``update_from_output`` raising inside ``tick()`` (a subclass's override, or a bug) left the
+    tick in flight: an ``abort`` of a request of its batch from another thread waited until some
+    later tick ended, and one from the ticking thread raised "from inside forward"."""
+    s = _RaisesInUpdate(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=16, block_tokens=4,
+                        policy=FCFSPolicy())
+    for i in range(2):
+        s.submit(make_req(f"r{i}", n_prompt=6, max_tokens=4))
+    s.tick()
+    s.fail = True
+    with pytest.raises(ValueError, match="override failed"):
+        s.tick()
+    assert s._inflight is None, "the failed tick is still marked in flight"
+    assert s.abort("r0").request_id == "r0"  # the ticking thread: no "from inside forward" error
+    t, out = _abort_in_thread(s, "r1")
+    t.join(5)
+    assert not t.is_alive() and out and out[0].request_id == "r1", "abort waited on a tick that is over"
+    assert s.pool.num_used == 0 and not s.has_active()
+
+
+class _SkipsBase(Scheduler):
+    """Its ``update_from_output`` applies nothing when ``skip`` is set (a subclass that replays
+    the output later by calling ``Scheduler.update_from_output`` itself)."""
+
+    skip = False
+
+    def update_from_output(self, plan, tokens, *, iteration_start_s=None):
+        if self.skip:
+            return []
+        return super().update_from_output(plan, tokens, iteration_start_s=iteration_start_s)
+
+
+def test_a_tick_whose_override_skips_the_base_leaves_no_stale_clock_reading_behind():
+    """A ``tick()`` whose ``update_from_output`` override did not call the base class left its
+    after-forward clock reading behind: a later direct call of ``Scheduler.update_from_output``
+    stamped its tokens and completions with that stale time."""
+    clock = StepClock(dt_s=1.0)
+    s = _SkipsBase(backend=ScriptedBackend(), clock=clock, kv_cap_blocks=16, block_tokens=4, policy=FCFSPolicy(),
+                   check_invariants=False)  # the skipping tick leaves r0's blocks granted until the replay
+    r = make_req("r0", n_prompt=4, max_tokens=1)
+    s.submit(r)
+    s.skip = True
+    s.tick()  # schedules and commits r0's blocks, reads the clock after forward, applies nothing
+    plan = s._last_tick[0]
+    t_before = clock.t
+    Scheduler.update_from_output(s, plan, [5])  # the subclass replays the output itself, later
+    assert r.completed_at is not None and r.completed_at > t_before, "stamped with the old tick's clock reading"
 
 
 # ---------------------------------------------------------------- backend faults: the retry policy
@@ -750,6 +1022,7 @@ def test_two_ticking_threads_are_serialised():
 # ---------------------------------------------------------------- load and endurance
 
 
+@pytest.mark.slow
 def test_endurance_5000_requests_1000_users_all_complete_nothing_retained():
     import bench_load
     import simulate
@@ -765,6 +1038,7 @@ def test_endurance_5000_requests_1000_users_all_complete_nothing_retained():
     assert_idle_and_empty(s)
 
 
+@pytest.mark.slow
 def test_overload_burst_drains_and_admission_recovers():
     import bench_load
     import simulate

@@ -231,7 +231,7 @@ def stateful_settings(steps: int = STEPS, examples: int = EXAMPLES, **kw) -> set
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], **kw)
 
 
-TestScheduler = SchedulerMachine.TestCase
+TestScheduler = pytest.mark.slow(SchedulerMachine.TestCase)
 TestScheduler.settings = stateful_settings()
 
 

@@ -26,6 +26,7 @@ def run(*names: str) -> dict[str, verify.Result]:
     return {r.name: r for r in verify.run_checks(names, SMALL, out=None)}
 
 
+@pytest.mark.slow
 def test_every_check_proves_at_small_bounds():
     results = verify.run_checks(None, SMALL, out=None)
     assert {r.name for r in results} >= {"kv_cap_per_transition", "kv_cap_tick", "kv_cap_bmc",
@@ -104,6 +105,7 @@ def _model_vs_scheduler(rng: random.Random) -> int:
     return sum(q.num_preemptions for q in records if q is not None)
 
 
+@pytest.mark.slow
 def test_model_matches_the_scheduler_tick_by_tick():
     rng = random.Random(7)
     preemptions = sum(_model_vs_scheduler(rng) for _ in range(150))
@@ -196,6 +198,7 @@ def _violated(r: verify.Result) -> list[str]:
     return r.outcome.counterexample.violated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
     module, attr, bug, expected, _ = PLANTS[plant]
@@ -223,6 +226,7 @@ def test_planted_bug_gives_a_counterexample_that_replays(monkeypatch, plant):
                 assert trace.target[0] in out["finished"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_planted_bug_fails_the_stateful_test(monkeypatch, plant):
     module, attr, bug, _, runtime_prop = PLANTS[plant]
@@ -236,6 +240,7 @@ def test_planted_bug_fails_the_stateful_test(monkeypatch, plant):
         assert any(x in str(e.value) for x in expected), str(e.value)[:300]
 
 
+@pytest.mark.slow
 def test_eos_ignored_fails_z3_and_the_stateful_test(monkeypatch):
     monkeypatch.setattr(model, "is_eos", lambda eos_position, g: False)
     results = run("kv_cap_per_transition", "kv_cap_tick", "kv_cap_bmc")

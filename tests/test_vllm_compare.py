@@ -170,6 +170,7 @@ def test_tolerance_rows_beside_the_shipped_batch(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr and "--tolerance must be >= 0" in p.stderr
 
 
+@pytest.mark.slow
 def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
     if not (vc.traces_dir(None) / "trace200_poisson20_seed0.csv").is_file():
         pytest.skip(f"the anchor traces are not at {vc.traces_dir(None)}")

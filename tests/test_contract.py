@@ -1,4 +1,6 @@
-"""Found by an adversarial review of the import contract: the scheduler as an outside harness meets it."""
+"""The import contract as an outside harness meets it: constructor knobs refused at construction,
+numpy numbers in requests, knobs, backend answers and ``request_gen.stream``'s arguments, the
+main job's argument errors, and request ids repeated across users."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,6 +65,22 @@ def test_a_backend_answering_a_numpy_array_is_applied():
     assert all(len(r.generated) == 4 and all(type(t) is int for t in r.generated) for r in rs)
 
 
+def test_numpy_integer_eos_and_vocab_size_are_accepted_as_before_the_knob_checks():
+    """``Scheduler(eos_token_id=np.int64(2), vocab_size=np.int64(64))`` worked before the
+    constructor checks (the values are only compared); the checks refused it. Accepted again,
+    stored as plain ints; a bool or a negative id stays refused."""
+    np = pytest.importorskip("numpy")
+    b = ScriptedBackend(eos_at={"e": 3})
+    s = Scheduler(backend=b, eos_token_id=np.int64(0), vocab_size=np.int64(64))
+    assert type(s.eos_token_id) is int and type(s.vocab_size) is int
+    r = make_req("e", max_tokens=10)
+    s.submit(r)
+    assert drain(s) == [r] and len(r.generated) == 3 and r.generated[-1] == 0
+    for bad in ({"eos_token_id": np.bool_(True)}, {"eos_token_id": np.float64(0.0)}, {"vocab_size": np.int64(0)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Scheduler(**bad)
+
+
 @pytest.mark.parametrize("kw", [{"lam": 0.0}, {"lam": -1.0}, {"lam": float("nan")}, {"lam": float("inf")},
                                 {"n": -5}, {"n": 2.5}, {"n": True}, {"lam": "5"}])
 def test_stream_refuses_a_malformed_argument(kw):
@@ -75,6 +93,19 @@ def test_stream_unchanged_for_valid_arguments():
     rs = request_gen.stream(n=3, lam=2, seed=1)  # an int rate is a rate
     assert [r.request_id for r in rs] == ["r0", "r1", "r2"] and request_gen.stream(n=0) == []
     assert [r.prompt for r in rs] == [r.prompt for r in request_gen.stream(n=3, lam=2.0, seed=1)]
+
+
+def test_stream_takes_numpy_numbers_as_before_its_argument_checks():
+    """``stream(n=np.int64(3), lam=np.float32(2.5))`` worked before the argument checks and was
+    refused by them; accepted again, with plain-float arrival offsets."""
+    np = pytest.importorskip("numpy")
+    got = request_gen.stream(n=np.int64(3), lam=np.float32(2.5), seed=1)
+    assert [(r.request_id, r.submitted_at) for r in got] == [
+        (r.request_id, r.submitted_at) for r in request_gen.stream(n=3, lam=2.5, seed=1)]
+    assert all(type(r.submitted_at) is float for r in got)
+    for bad in ({"n": np.float64(3.0)}, {"n": np.int64(-1)}, {"lam": np.float64("nan")}, {"lam": np.bool_(True)}):
+        with pytest.raises(ValueError):
+            request_gen.stream(**bad)
 
 
 @pytest.mark.parametrize("argv", [["--trace", "no-such-trace.csv"], ["--n", "-5"], ["--rate", "0"], ["--rate", "nan"],
