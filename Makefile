@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: run test test-fast verify bench bench-big bench-cold bench-vllm clean clean-vllm
+.PHONY: run test test-fast verify bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench-big: $(BENCH_STAMP)
 # The seed's fairness test cold, a fresh process per measurement (ARGS="--seeds 20 --styles at_once,when_due").
 bench-cold: $(RUN_STAMP)
 	$(BIN)/python bench/cold_fairness.py $(ARGS)
+
+# The iteration target's trade-off on the simulated clock (bench/target_sweep.py; docs/fairness.md section 6).
+bench-target: $(BENCH_STAMP)
+	$(BIN)/python bench/target_sweep.py --plot docs/img/target_tradeoff.png $(ARGS)
 
 # Batch beside vLLM's own V1 scheduler on one simulated clock (bench/vllm_compare.py; ARGS="--traces DIR").
 # An optional extra: its own venv, .venv-vllm (about 3 minutes and 2.2 GB, no GPU), never touched by

@@ -241,8 +241,8 @@ class Isolation:
             meets it. A light user's next request then waits behind a short iteration rather
             than a full one. In the spirit of Sarathi-Serve sizing its token budget from a TBT
             SLO (Agrawal et al., OSDI 2024), applied through the learned latency model and only
-            while a light user is active. It costs throughput while active: ``docs/fairness.md``,
-            section 9.
+            while a light user is active. It costs throughput while active (``docs/fairness.md``,
+            section 6, "Iteration target").
         active_window_s: how long after a protected user's request was last prefilling toward
             its first token the target applies, seconds (a light user that just sent a request
             is likely to send the next one soon).

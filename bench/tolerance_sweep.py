@@ -11,7 +11,7 @@ For each ``T`` (weighted tokens), with ``Scheduler(policy=VTCPolicy(tolerance_to
   index of service while all are backlogged and the largest service gap, weighted tokens;
 * weighted shares: the same overload with user ``short`` at weight 2, its service over the mean
   of the others' while all four are backlogged (2.0 is exact);
-* a light user early in a burst (``tests/test_review5.py``'s scenario): user A's 40 requests
+* a light user early in a burst (a scenario of ``tests/test_resume.py``): user A's 40 requests
   preempt each other in a 48-block cache; user L's 10-token request arrives 3 ticks in; ticks
   from L's arrival to its first token.
 

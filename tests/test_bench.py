@@ -301,6 +301,7 @@ def test_l2_bin_bound_is_a_lower_bound_at_least_the_area():
         assert -(-sum(sizes) // cap) <= l2 <= _optimal_bins(sizes, cap), sizes
 
 
+@pytest.mark.slow
 def test_ranked_order_admits_by_rank_and_the_search_never_loses_ground():
     from bench_throughput import _RankedPolicy, order_search  # noqa: PLC0415
     reqs = [make_req(f"q{i}", n_prompt=8, max_tokens=4) for i in range(4)]
@@ -321,6 +322,7 @@ def test_ranked_order_admits_by_rank_and_the_search_never_loses_ground():
     assert figures[-1] > start  # seeded: these 4 steps find a better order than longest-first (a no-op search fails)
 
 
+@pytest.mark.slow
 def test_ttft_search_keeps_every_ttft_within_the_limit_and_never_loses_ground(monkeypatch):
     import bench_throughput as bt  # noqa: PLC0415
     # A tight limit (arrival order is at 1.01x): on this seed, 20 steps without it keep an order at 1.07x.

@@ -121,17 +121,20 @@ def test_cli_trace_directory_is_one_line_error(tmp_path):
     assert_one_line_error(run_cli("--trace", str(tmp_path)), str(tmp_path), "directory")
 
 
+@pytest.mark.slow
 def test_cli_model_nowhere_is_one_line_error(tmp_path):
     pytest.importorskip("torch")
     nowhere = tmp_path / "no_such_checkpoint"
     assert_one_line_error(run_cli("--backend", "model", "--model", str(nowhere)), str(nowhere), "checkpoint")
 
 
+@pytest.mark.slow
 def test_cli_nonsense_device_is_one_line_error():
     pytest.importorskip("torch")
     assert_one_line_error(run_cli("--backend", "model", "--device", "foo"), "'foo'", "device")
 
 
+@pytest.mark.slow
 def test_cli_cuda_without_cuda_is_one_line_error():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

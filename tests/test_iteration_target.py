@@ -132,6 +132,7 @@ def _b_ratio_from_arrival(seed, target_s):
     return with_a / alone
 
 
+@pytest.mark.slow
 def test_target_shortens_the_light_users_wait_timed_from_arrival():
     seeds = range(6)
     off = [_b_ratio_from_arrival(seed, None) for seed in seeds]
@@ -147,3 +148,42 @@ def test_target_shortens_the_light_users_wait_timed_from_arrival():
 def test_bad_target_settings_raise(kw):
     with pytest.raises(ValueError):
         Isolation(**kw)
+
+
+# ---------------------------------------------------------------- bench/target_sweep.py
+
+
+def _target_sweep():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import target_sweep
+    return target_sweep
+
+
+def test_the_sweep_draws_the_cold_harness_workload():
+    """``bench/target_sweep.py``'s A/B burst is the one ``bench/cold_fairness.py`` draws for the
+    same seed (lengths, users, arrival order), so the two benchmarks' ratios are comparable."""
+    ts = _target_sweep()
+    rnd = random.Random(1000 + 4)
+    want = []
+    for user, n in (("A", 100), ("B", 5)):
+        for i in range(n):
+            prompt = [rnd.randint(1, 63) for _ in range(rnd.randint(5, 199))]
+            want.append((f"{user}{i}", user, len(prompt), rnd.randint(10, 99)))
+    arrivals = [rnd.uniform(0.0, 1.0) for _ in want]
+    want = [w for _, w in sorted(zip(arrivals, want), key=lambda x: x[0])]
+    got = [(r.rid, r.user, r.prompt_tokens, r.output_tokens) for r in ts.ab_trace(4)]
+    assert got == want
+
+
+def test_the_sweep_prints_a_row_per_setting_and_refuses_bad_flags(tmp_path, capsys):
+    ts = _target_sweep()
+    assert ts.main(["--seeds", "1", "--targets-ms", "15", "--traces", str(tmp_path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if " | " in line and "ms" in line.split("|")[0]
+            or line.strip().startswith("off")]
+    assert len(rows) == 2  # off and 15 ms
+    for bad in (["--targets-ms", "0"], ["--targets-ms", "x"], ["--seeds", "0"], ["--window-s", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            ts.main(bad)
+        assert e.value.code == 2
