@@ -1,0 +1,55 @@
+"""``spec.concrete``: each rule's plain-int compiled form returns what its source returns."""
+import inspect
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from spec import concrete, fairness_rules, rules
+
+COMPILED = concrete.compiled()
+
+
+def _strategy(annotation: str):
+    if "list" in annotation:
+        return st.lists(st.integers(-40, 300), max_size=6)
+    if annotation == "Bool":
+        return st.booleans()
+    return st.integers(-40, 5000)
+
+
+@pytest.mark.parametrize("rule", list(COMPILED), ids=lambda f: f.__name__)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_compiled_rule_agrees_with_its_source_on_ints(rule, data):
+    params = inspect.signature(rule).parameters
+    args = [data.draw(_strategy(str(p.annotation)), label=name) for name, p in params.items()]
+    try:
+        want = rule(*args)
+    except (ZeroDivisionError, ValueError, TypeError):
+        assume(False)  # outside the rule's domain (a zero block size): both forms may refuse it
+    got = COMPILED[rule](*args)
+    assert got == want and bool(got) is bool(want), (rule.__name__, args, got, want)
+
+
+def test_every_rule_of_the_spec_is_compiled():
+    for module in (rules, fairness_rules):
+        for name, f in vars(module).items():
+            if inspect.isfunction(f) and f.__module__ == module.__name__:
+                assert f in COMPILED, name
+    assert all("And(" not in concrete.describe(f) and "Or(" not in concrete.describe(f) for f in COMPILED)
+
+
+def test_a_replaced_rule_reaches_the_caller_unchanged(monkeypatch):
+    """The planted-bug tests replace a rule at run time: ``fast`` must hand the replacement back,
+    not the compiled form of the original."""
+    assert concrete.fast(rules.decode_ready) is COMPILED[rules.decode_ready]
+    wrong = lambda held, n, computed, b: False  # noqa: E731
+    monkeypatch.setattr(rules, "decode_ready", wrong)
+    assert concrete.fast(rules.decode_ready) is wrong
+
+
+def test_a_compiled_rule_calls_the_compiled_forms_of_the_rules_it_uses():
+    f = COMPILED[fairness_rules.streak_after]
+    assert f.__globals__["next_streak"] is COMPILED[fairness_rules.next_streak]
+    assert f(3, True, False) == 4 and f(3, True, True) == 0 and f(3, False, False) == 0
