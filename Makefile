@@ -26,7 +26,7 @@ $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 run: $(RUN_STAMP)
-	$(BIN)/python simulate.py $(ARGS)
+	$(BIN)/python -m batch $(ARGS)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
@@ -40,10 +40,10 @@ verify: $(TEST_STAMP)
 	BATCH_STATEFUL_STEPS=1000 BATCH_STATEFUL_EXAMPLES=100 $(BIN)/python -m pytest -q tests/test_stateful.py
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python bench.py $(ARGS)
+	$(BIN)/python bench/bench.py $(ARGS)
 
 bench-big: $(BENCH_STAMP)
-	$(BIN)/python bench.py --big $(ARGS)
+	$(BIN)/python bench/bench.py --big $(ARGS)
 
 # The seed's fairness test cold, a fresh process per measurement (ARGS="--seeds 20 --styles at_once,when_due").
 bench-cold: $(RUN_STAMP)

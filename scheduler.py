@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import inference_stub
-from backend_api import batch_items
-from backfill import Shadow, WorstCaseProfile, budget_never_binds, worst_case_iterations
+from batch.core.backend_api import batch_items
+from batch.core.backfill import Shadow, WorstCaseProfile, budget_never_binds, worst_case_iterations
+from batch.core.isolation import Isolation, PlanDraft
+from batch.core.kv_cache import BlockPool
+from batch.core.metrics import MetricsRecorder
+from batch.policies.policy import Policy, VTCPolicy
 from inference_stub import Request
-from isolation import Isolation, PlanDraft
-from kv_cache import BlockPool
-from metrics import MetricsRecorder
-from policy import Policy, VTCPolicy
 from spec import fairness_rules as fr
 from spec import lifecycle as lc
 from spec import rules

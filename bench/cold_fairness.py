@@ -52,9 +52,9 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
 
     sys.path.insert(0, str(ROOT))
     import scheduler
+    from batch.core.isolation import Isolation
+    from batch.policies.policy import FCFSPolicy
     from inference_stub import Request
-    from isolation import Isolation
-    from policy import FCFSPolicy
 
     rnd = random.Random(1000 + seed)
 

@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_compare as vc  # noqa: E402  (puts the project root on sys.path)
 
-from isolation import ACTIVE_WINDOW_S, Isolation  # noqa: E402
-from policy import VTCPolicy  # noqa: E402
+from batch.core.isolation import ACTIVE_WINDOW_S, Isolation  # noqa: E402
+from batch.policies.policy import VTCPolicy  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
 BALANCED = vc.ORDER[:3]

@@ -32,10 +32,10 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import bench_fairness as bf  # noqa: E402
-import simulate  # noqa: E402
 import vllm_compare as vc  # noqa: E402
+from batch.policies.policy import FCFSPolicy, VTCPolicy  # noqa: E402
+from batch.sim import simulate  # noqa: E402
 from inference_stub import Request  # noqa: E402
-from policy import FCFSPolicy, VTCPolicy  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
 BALANCED = ("trace200_poisson20_seed0.csv", "poisson_n300_r30_seed0.csv")

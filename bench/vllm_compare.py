@@ -40,8 +40,9 @@ Usage, from the repository root::
     .venv-vllm/bin/python bench/vllm_compare.py [--traces DIR] [--only NAME,...]
     python bench/vllm_compare.py --batch-only               # no vllm needed: Batch's side only
 
-Traces: CSV files ``arrival_s,prompt_tokens,output_tokens,user`` in ``--traces DIR``, else
-``$BATCH_TRACES_DIR``, else ``../shared/traces/anchors`` beside the repository.
+Traces: CSV files ``arrival_s,prompt_tokens,output_tokens,user`` in ``--traces DIR``, else the
+``anchors/`` folder of the traces folder (``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside
+the checkout; ``batch.sim.traces``), else ``$BATCH_TRACES_DIR`` itself when it has no ``anchors/``.
 """
 from __future__ import annotations
 
@@ -60,8 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import request_gen  # noqa: E402
-import simulate  # noqa: E402
+from batch.sim import simulate, traces  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
@@ -80,8 +80,7 @@ VLLM_TOKEN = 7  # any non-EOS token
 
 AB_TRACE = "ab_100A_5B_1s_seed0.csv"
 AB_LIGHT_USER = "B"
-TRACES_ENV = "BATCH_TRACES_DIR"
-DEFAULT_TRACES = ROOT.parent / "shared" / "traces" / "anchors"
+TRACES_ENV = traces.TRACES_ENV
 #: The anchor traces in the order the table prints them (any other CSV in the folder follows).
 ORDER = ("poisson_n300_r30_seed0.csv", "trace200_poisson20_seed0.csv", "trace2k.csv", AB_TRACE)
 
@@ -102,17 +101,20 @@ class TraceRequest:
 
 
 def traces_dir(arg: str | os.PathLike | None = None) -> Path:
-    """``arg`` if given, else ``$BATCH_TRACES_DIR``, else ``../shared/traces/anchors`` beside the repo."""
+    """The anchor traces' folder: ``arg`` if given, else ``anchors/`` in the traces folder
+    (``batch.sim.traces.traces_dir()``: ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the
+    checkout); a ``$BATCH_TRACES_DIR`` with no ``anchors/`` inside is taken as the anchors' folder."""
     if arg:
         return Path(arg)
-    env = os.environ.get(TRACES_ENV)
-    return Path(env) if env else DEFAULT_TRACES
+    base = traces.traces_dir()
+    anchors = base / traces.ANCHORS
+    return anchors if anchors.is_dir() or not os.environ.get(TRACES_ENV) else base
 
 
 def load_requests(path: str | os.PathLike) -> list[TraceRequest]:
-    """The rows of a trace CSV, read by ``request_gen.load_trace`` (its ``user`` column kept)."""
+    """The rows of a trace CSV, read by ``batch.sim.traces.load_trace`` (its ``user`` column kept)."""
     return [TraceRequest(r.request_id, r.user_id, float(r.submitted_at), len(r.prompt), r.max_tokens)
-            for r in request_gen.load_trace(path)]
+            for r in traces.load_trace(path)]
 
 
 def without_user(reqs: Sequence[TraceRequest], user: str) -> list[TraceRequest]:
@@ -507,8 +509,8 @@ def _trace_files(folder: Path, only: Sequence[str] | None) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces", default=None, help=f"folder of trace CSVs (default ${TRACES_ENV}, else "
-                                                  f"../shared/traces/anchors beside the repository)")
+    p.add_argument("--traces", default=None, help=f"folder of trace CSVs (default: anchors/ in ${TRACES_ENV}, "
+                                                  f"else ../shared/traces/anchors beside the checkout)")
     p.add_argument("--only", default=None, help="comma-separated trace file names (or stems) to run")
     p.add_argument("--batch-only", action="store_true", help="Batch's side only (no vllm needed)")
     p.add_argument("--fcfs", action="store_true", help="also Batch with policy.FCFSPolicy() (arrival order)")
@@ -527,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runners: list[tuple[str, Callable[..., Run]]] = [("Batch", run_batch)]
     if a.fcfs:
-        from policy import FCFSPolicy  # noqa: PLC0415
+        from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
 
         def run_fcfs(reqs, **kw):
             return run_batch(reqs, factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k), name="Batch-FCFS", **kw)
@@ -535,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for tol in a.tolerance:
         if tol < 0:
             p.error(f"--tolerance must be >= 0, got {tol}")
-        from policy import VTCPolicy  # noqa: PLC0415
+        from batch.policies.policy import VTCPolicy  # noqa: PLC0415
 
         def run_tol(reqs, tol=tol, **kw):
             return run_batch(reqs, factory=lambda **k: Scheduler(policy=VTCPolicy(tolerance_tokens=tol), **k),

@@ -109,7 +109,7 @@ class Trace:
         knobs = ", ".join(f"{k}={v}" for k, v in self.cfg.items())
         return "\n".join([
             "from inference_stub import Request",
-            "from policy import FCFSPolicy",
+            "from batch.policies.policy import FCFSPolicy",
             "from scheduler import Scheduler",
             "from spec.verify import EosBackend",
             f"sched = Scheduler({knobs}, {FCFS_SOURCE},",
@@ -235,7 +235,7 @@ FCFS_SOURCE = "policy=FCFSPolicy(), max_preemptions=None, aging_ticks=10**9"
 
 def fcfs_kwargs() -> dict[str, Any]:
     """``FCFS_SOURCE`` as keyword arguments (a fresh policy each call)."""
-    from policy import FCFSPolicy  # noqa: PLC0415
+    from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
 
     return {"policy": FCFSPolicy(), "max_preemptions": None, "aging_ticks": 10**9}
 

@@ -2,8 +2,8 @@
 
 A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers five
 checks, run with the others by ``python -m spec.verify`` (``--only vtc_counter_gap`` etc.).
-Every check evaluates the functions of ``spec.fairness_rules`` that ``policy.py``,
-``isolation.py`` and ``scheduler.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
+Every check evaluates the functions of ``spec.fairness_rules`` that ``batch/policies/policy.py``,
+``batch/core/isolation.py`` and ``scheduler.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
 so a test can plant a bug in a rule (``monkeypatch.setattr(fr, "lifted_counter", ...)``) and see
 the check fail. What each check assumes and what it leaves out is ``docs/fairness.md``
 section 8.

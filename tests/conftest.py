@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# The project root (the contract modules, batch/, spec/), then bench/ (the benchmark scripts some
+# tests import: bench, bench_fairness, bench_load, bench_throughput, vllm_compare, ...).
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import inference_stub  # noqa: E402
 import scheduler  # noqa: E402

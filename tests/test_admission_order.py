@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from policy import DRAIN_SHARE, MAX_DRAIN_PASSES, VTCPolicy, remaining_iterations
+from batch.policies.policy import DRAIN_SHARE, MAX_DRAIN_PASSES, VTCPolicy, remaining_iterations
 from spec import fairness_rules as fr
 
 S = fr.COUNTER_SCALE

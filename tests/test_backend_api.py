@@ -12,7 +12,7 @@ import zlib
 from conftest import StepClock, drain, make_req
 
 import scheduler as sched_mod
-from backend_api import BatchItem
+from batch.core.backend_api import BatchItem
 from scheduler import Scheduler
 
 

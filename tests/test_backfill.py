@@ -1,4 +1,4 @@
-"""EASY backfilling (``backfill.py``): the worst-case profile against a brute force, and the
+"""EASY backfilling (``batch/core/backfill.py``): the worst-case profile against a brute force, and the
 scheduler passing a request that does not fit only with what cannot delay it."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fairness import Spy
 
-from backfill import WorstCaseProfile, worst_case_iterations
-from policy import VTCPolicy
+from batch.core.backfill import WorstCaseProfile, worst_case_iterations
+from batch.policies.policy import VTCPolicy
 from spec import fairness_rules as fr
 from spec import rules
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,12 +12,12 @@ from conftest import ScriptedBackend, drain, make_req
 
 import bench
 import request_gen
-import workloads
-from baselines import ReservationScheduler, RoundRobinPolicy, StaticBatchScheduler
+from batch.policies.baselines import ReservationScheduler, RoundRobinPolicy, StaticBatchScheduler
+from batch.sim import workloads
+from batch.sim.workloads import Workload
 from inference_stub import Request
 from scheduler import Scheduler
 from spec import rules
-from workloads import Workload
 
 
 def _with_refusal() -> list[Request]:
@@ -78,7 +79,7 @@ def _three_waiting() -> tuple[list, list, dict[int, int]]:
 
 
 def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
-    from oracle import ClairvoyantPolicy  # noqa: PLC0415
+    from batch.policies.oracle import ClairvoyantPolicy  # noqa: PLC0415
     _, seqs, lengths = _three_waiting()
     p = ClairvoyantPolicy(lengths)
     for s in seqs:
@@ -89,7 +90,7 @@ def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
 
 
 def test_clairvoyant_oracle_orders_and_backfill_switch():
-    from oracle import ClairvoyantPolicy  # noqa: PLC0415
+    from batch.policies.oracle import ClairvoyantPolicy  # noqa: PLC0415
     _, seqs, lengths = _three_waiting()
     for order, want in (("spt", [0, 2, 1]), ("fifo", [0, 1, 2])):
         p = ClairvoyantPolicy(lengths, order=order, backfill=False)
@@ -263,7 +264,7 @@ def test_results_record_is_plain_json_and_the_big_report_says_it_is_generated(tm
 def test_no_bench_script_names_the_readme_as_a_path():
     """The README links to the generated docs; no bench script holds a path to it (a string literal)."""
     for name in ("bench.py", "bench_throughput.py", "bench_fairness.py", "bench_load.py"):
-        text = (bench.ROOT / name).read_text()
+        text = (Path(bench.__file__).parent / name).read_text()
         assert '"README' not in text and "'README" not in text, name
 
 
@@ -341,7 +342,7 @@ def test_ttft_search_keeps_every_ttft_within_the_limit_and_never_loses_ground(mo
 
 def test_drain_frontier_runs_batch_with_each_setting_and_restores_the_shipped_one(monkeypatch):
     import bench_throughput as bt  # noqa: PLC0415
-    import policy  # noqa: PLC0415
+    from batch.policies import policy  # noqa: PLC0415
     shipped = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
     monkeypatch.setattr(bt, "FRONTIER_SHARES", (shipped[0], (2, 1)))
     monkeypatch.setattr(bt, "FRONTIER_PASSES", (shipped[1],))

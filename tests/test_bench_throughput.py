@@ -1,4 +1,4 @@
-"""``bench_throughput.py``'s bookkeeping, on fake runs: ``drain_frontier`` (the published seed,
+"""``bench/bench_throughput.py``'s bookkeeping, on fake runs: ``drain_frontier`` (the published seed,
 the best baseline, both goals, the drain settings restored when a run raises), ``ttft_search``
 (bounds the largest TTFT, keeps nothing over the limit) and ``AgedLPT``'s order. These pin what
 the end-to-end tests in ``test_bench.py`` cannot tell apart."""
@@ -10,7 +10,7 @@ from conftest import ScriptedBackend, make_req
 
 import bench
 import bench_throughput as bt
-import policy
+from batch.policies import policy
 from scheduler import Scheduler
 
 

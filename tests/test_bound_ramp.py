@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import bench
+from batch.sim.workloads import Workload
 from inference_stub import Request
-from workloads import Workload
 
 BASE, PER, CHUNK, BT = bench.BASE_S, bench.PER_REQUEST_S, 64, 16
 

@@ -1,6 +1,6 @@
 """Bad input to the main job ends with one error line, never a traceback or a hang (issue 15).
 
-``simulate.py`` runs in a subprocess with a timeout, so an input that used to loop for ever
+``python -m batch`` runs in a subprocess with a timeout, so an input that used to loop for ever
 (a trace row with ``arrival_s=nan``) fails the test instead of hanging it. The trace loader and
 ``run_workload`` are also checked directly: a non-finite or negative arrival is a ``ValueError``
 naming where it came from.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import request_gen
+from batch.sim import traces
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "arrival_s,prompt_tokens,output_tokens,user_id\n"
@@ -29,8 +29,8 @@ def write_trace(tmp_path: Path, bad_row: str, name: str = "trace.csv") -> Path:
 
 
 def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    """``python simulate.py ARGS`` from the repository root; the timeout turns a hang into a failure."""
-    return subprocess.run([sys.executable, "simulate.py", "--no-progress", *args], cwd=ROOT,
+    """``python -m batch ARGS`` from the repository root; the timeout turns a hang into a failure."""
+    return subprocess.run([sys.executable, "-m", "batch", "--no-progress", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -54,34 +54,34 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> Non
 def test_load_trace_refuses_non_finite_or_negative_arrival(tmp_path, value):
     path = write_trace(tmp_path, f"{value},10,5,")
     with pytest.raises(ValueError, match=r"line 4: arrival_s .*" + value):
-        request_gen.load_trace(path)
+        traces.load_trace(path)
 
 
 def test_load_trace_error_names_the_file(tmp_path):
     path = write_trace(tmp_path, "nan,10,5,", name="with_nan.csv")
     with pytest.raises(ValueError, match="with_nan.csv"):
-        request_gen.load_trace(path)
+        traces.load_trace(path)
 
 
 def test_load_trace_refuses_an_arrival_that_time_scale_makes_infinite(tmp_path):
     path = write_trace(tmp_path, "1e308,10,5,")
     with pytest.raises(ValueError, match="line 4"):
-        request_gen.load_trace(path, time_scale=10.0)
+        traces.load_trace(path, time_scale=10.0)
 
 
 @pytest.mark.parametrize("time_scale", [math.nan, math.inf])
 def test_load_trace_refuses_non_finite_time_scale(tmp_path, time_scale):
     path = write_trace(tmp_path, "1,10,5,")
     with pytest.raises(ValueError, match="time_scale"):
-        request_gen.load_trace(path, time_scale=time_scale)
+        traces.load_trace(path, time_scale=time_scale)
 
 
 # ---- run_workload --------------------------------------------------------------------------
 
 
 RUN_WORKLOAD_SCRIPT = """
+from batch.sim.simulate import run_workload
 from inference_stub import Request
-from simulate import run_workload
 reqs = [Request(user_id="u1", prompt=[1, 2, 3], max_tokens=2, request_id="ok", submitted_at=0.0),
         Request(user_id="u1", prompt=[1, 2, 3], max_tokens=2, request_id="bad", submitted_at=float({offset!r}))]
 try:
@@ -103,7 +103,7 @@ def test_run_workload_refuses_non_finite_or_negative_offset_before_running(offse
     assert second == "started_at of ok: None"  # refused before anything ran
 
 
-# ---- simulate.py from the command line -----------------------------------------------------
+# ---- python -m batch from the command line -------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
@@ -145,7 +145,7 @@ def test_cli_cuda_without_cuda_is_one_line_error():
 @pytest.mark.parametrize("device", ["foo", "cuda:x", "", "meta"])
 def test_resolve_device_refuses_names_that_are_no_usable_device(device):
     pytest.importorskip("torch")
-    import model_backend  # noqa: PLC0415 - the optional 'model' extra
+    from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
 
     with pytest.raises(model_backend.DeviceError, match=repr(device)):
         model_backend.resolve_device(device)
@@ -153,8 +153,8 @@ def test_resolve_device_refuses_names_that_are_no_usable_device(device):
 
 
 def test_a_reader_closing_the_output_early_ends_the_run_quietly():
-    """``simulate.py | head -1``: the rest of the output has nowhere to go; no traceback."""
-    p = subprocess.Popen([sys.executable, "simulate.py", "--no-progress", "--clock", "virtual", "--n", "20"],
+    """``python -m batch | head -1``: the rest of the output has nowhere to go; no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "batch", "--no-progress", "--clock", "virtual", "--n", "20"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = p.stdout.readline()
     p.stdout.close()  # as `head -1` does

@@ -111,11 +111,11 @@ def test_stream_takes_numpy_numbers_as_before_its_argument_checks():
 @pytest.mark.parametrize("argv", [["--trace", "no-such-trace.csv"], ["--n", "-5"], ["--rate", "0"], ["--rate", "nan"],
                                   ["--kv-cap-blocks", "0"], ["--eos-probability", "2"], ["--limit", "-1"]])
 def test_main_job_refuses_bad_arguments_with_a_usage_error(argv, capsys):
-    """``simulate.py --trace missing.csv`` or ``--rate 0`` ended in a traceback (FileNotFoundError,
+    """``python -m batch --trace missing.csv`` or ``--rate 0`` ended in a traceback (FileNotFoundError,
     ZeroDivisionError); ``--rate -1`` ran with negative arrival offsets. Now argparse's usage error."""
-    import simulate
+    from batch import cli
     with pytest.raises(SystemExit) as e:
-        simulate.main(argv + ["--no-progress", "--clock", "virtual"])
+        cli.main(argv + ["--no-progress", "--clock", "virtual"])
     assert e.value.code == 2 and "simulate: error:" in capsys.readouterr().err
 
 

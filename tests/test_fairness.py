@@ -10,10 +10,10 @@ import pytest
 from conftest import ScriptedBackend, StepClock, drain, make_req
 
 import bench_fairness as bf
-import simulate
+from batch.core.isolation import Isolation, LatencyModel
+from batch.policies.policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
+from batch.sim import simulate
 from inference_stub import SimulatedGPU, VirtualClock
-from isolation import Isolation, LatencyModel
-from policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 

@@ -8,7 +8,7 @@ import statistics
 import pytest
 from conftest import make_req
 
-from isolation import Isolation
+from batch.core.isolation import Isolation
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 

@@ -4,7 +4,7 @@ from conftest import ScriptedBackend, StepClock, drain, make_req
 
 import inference_stub
 import scheduler as sched_mod
-from policy import FCFSPolicy
+from batch.policies.policy import FCFSPolicy
 from scheduler import (BackendError, DuplicateRequestError, InvalidRequestError, PromptTooLongError,
                        Scheduler)
 

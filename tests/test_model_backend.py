@@ -20,10 +20,10 @@ from conftest import StepClock, drain, make_req  # noqa: E402
 
 torch.set_num_threads(1)  # tiny ops: intra-op threads only spin, and stall when the 2 cores are shared
 
-from backend_api import BatchItem  # noqa: E402
+from batch.backends.model_backend import ModelBackend, PagedKVCache, tiny_llama  # noqa: E402
+from batch.core.backend_api import BatchItem  # noqa: E402
+from batch.policies.policy import FCFSPolicy  # noqa: E402
 from inference_stub import Request  # noqa: E402
-from model_backend import ModelBackend, PagedKVCache, tiny_llama  # noqa: E402
-from policy import FCFSPolicy  # noqa: E402
 from scheduler import BackendError, InvalidRequestError, Scheduler  # noqa: E402
 
 #: The tiny model's EOS id: a token its greedy outputs reach, so some requests stop on EOS.
@@ -252,10 +252,10 @@ def test_failed_iteration_leaves_the_cache_unchanged_and_the_retry_matches_alone
 
 
 def test_simulate_runs_a_workload_on_the_model_backend(capsys):
-    import simulate
+    from batch import cli
 
-    assert simulate.main(["--backend", "model", "--n", "6", "--rate", "1000", "--kv-cap-blocks", "24",
-                          "--token-budget", "100"]) == 0
+    assert cli.main(["--backend", "model", "--n", "6", "--rate", "1000", "--kv-cap-blocks", "24",
+                     "--token-budget", "100"]) == 0
     out = capsys.readouterr().out
     assert "model backend: LlamaForCausalLM (2 layers, hidden 64" in out
     assert "requests finished                  6" in out and "KV cap 24 blocks" in out
@@ -315,7 +315,7 @@ def test_paged_kv_cache_layout_and_poison():
 
 
 def test_a_local_checkpoint_directory_loads_and_matches_alone(ref_model, tmp_path):
-    from model_backend import from_cli
+    from batch.backends.model_backend import from_cli
 
     model().save_pretrained(tmp_path)  # config.json + model.safetensors, as a downloaded checkpoint has
     backend = from_cli(path=str(tmp_path), dtype="float64", num_blocks=16)

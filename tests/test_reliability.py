@@ -14,8 +14,8 @@ import pytest
 from conftest import ScriptedBackend, StepClock, drain, make_req
 
 import inference_stub
+from batch.policies.policy import FCFSPolicy
 from inference_stub import Request
-from policy import FCFSPolicy
 from scheduler import (BackendError, DuplicateRequestError, InvalidRequestError, PromptTooLongError,
                        RequestError, Scheduler)
 from spec import lifecycle as lc
@@ -1025,7 +1025,7 @@ def test_two_ticking_threads_are_serialised():
 @pytest.mark.slow
 def test_endurance_5000_requests_1000_users_all_complete_nothing_retained():
     import bench_load
-    import simulate
+    from batch.sim import simulate
     reqs = bench_load.make_workload(5000, users=1000, rate_per_s=20.0, seed=3)
     assert len({r.user_id for r in reqs}) > 900
     res = simulate.run_workload(reqs, virtual=True, gpu_seed=1, record_itl=False, max_ticks=400_000)
@@ -1041,7 +1041,7 @@ def test_endurance_5000_requests_1000_users_all_complete_nothing_retained():
 @pytest.mark.slow
 def test_overload_burst_drains_and_admission_recovers():
     import bench_load
-    import simulate
+    from batch.sim import simulate
     burst = bench_load.make_workload(2000, users=100, rate_per_s=1e9, seed=5)  # all within microseconds
     res = simulate.run_workload(burst, virtual=True, gpu_seed=2, record_itl=False, max_ticks=200_000)
     s = res.scheduler
@@ -1115,7 +1115,7 @@ def test_schedule_touches_the_waiting_queue_in_o1_per_admission():
                 self.read += 1
                 yield x
 
-    from policy import FCFSPolicy
+    from batch.policies.policy import FCFSPolicy
     pol = Counting(FCFSPolicy())
     s = new(policy=pol, kv_cap_blocks=8, check_invariants=False)  # the checker reads the whole queue
     for i in range(3000):

@@ -8,7 +8,7 @@ from conftest import ScriptedBackend, StepClock, make_req
 from test_fairness import Spy
 from test_throughput_rules import Seq
 
-from policy import VTCPolicy
+from batch.policies.policy import VTCPolicy
 from scheduler import BACKFILL_WINDOW, Scheduler
 from spec import lifecycle as lc
 

@@ -72,7 +72,7 @@ def test_a_request_the_spent_token_budget_cannot_run_neither_grows_nor_preempts(
     """With the budget spent by earlier requests, a running request at a block boundary with no
     free block is left out of the iteration; it does not preempt anyone (itself included)."""
     from conftest import ScriptedBackend
-    from policy import FCFSPolicy
+    from batch.policies.policy import FCFSPolicy
     from spec import rules
 
     s = Scheduler(kv_cap_blocks=4, block_tokens=4, prefill_chunk_tokens=4, policy=FCFSPolicy(),

@@ -2,7 +2,7 @@
 p90 / p95 beside p50 / p99, request throughput and goodput under stated SLOs, ``--policy``,
 and ``gpu_utilization`` told apart from the GPU-busy share of clock time.
 
-``simulate.py`` runs in a subprocess on a small virtual-clock workload; the metric functions
+``python -m batch`` runs in a subprocess on a small virtual-clock workload; the metric functions
 are also checked directly.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 import pytest
 from test_cli_errors import ROOT, assert_one_line_error, run_cli
 
-import metrics
 import request_gen
-import simulate
+from batch.core import metrics
+from batch.sim import simulate
 from inference_stub import Request
 
 SMALL = ("--clock", "virtual", "--n", "40", "--rate", "30")
@@ -28,7 +28,7 @@ VLLM_KEYS = {"completed", "duration", "total_input_tokens", "total_output_tokens
 
 
 def run_json(*args: str) -> dict:
-    """``simulate.py --json`` on the small workload; stdout must be exactly one JSON object."""
+    """``python -m batch --json`` on the small workload; stdout must be exactly one JSON object."""
     proc = run_cli(*SMALL, "--json", *args)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -182,6 +182,6 @@ def test_a_request_failed_by_the_retry_policy_is_no_completion_and_not_good():
 
 
 def test_metrics_imports_nothing_outside_the_standard_library():
-    code = "import sys, metrics; bad = {'numpy', 'torch'} & set(sys.modules); print(sorted(bad))"
+    code = "import sys, batch.core.metrics; bad = {'numpy', 'torch'} & set(sys.modules); print(sorted(bad))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr

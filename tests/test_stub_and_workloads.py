@@ -1,12 +1,13 @@
 """The simulated GPU's added modes, the workload generators and the main job."""
 import pytest
-from conftest import make_req
+from conftest import ROOT, make_req
 
 import inference_stub
 import request_gen
-import simulate
+from batch import cli
+from batch.core.kv_cache import BlockPool, BlockPoolError
+from batch.sim import simulate, traces
 from inference_stub import Request, SimulatedGPU, VirtualClock
-from kv_cache import BlockPool, BlockPoolError
 
 
 def test_virtual_clock_advances_by_latency_model_and_never_sleeps():
@@ -56,35 +57,64 @@ def test_stream_contract():
 def test_load_trace_keeps_lengths_and_arrivals(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("arrival_s,prompt_tokens,output_tokens,user_id\n0,10,5,\n0.5,4000,3,alice\n2.0,20,7,\n")
-    rs = request_gen.load_trace(p, time_scale=2.0, users=3, seed=1)
+    rs = traces.load_trace(p, time_scale=2.0, users=3, seed=1)
     assert [len(r.prompt) for r in rs] == [10, 4000, 20]
     assert [r.max_tokens for r in rs] == [5, 3, 7]
     assert [r.submitted_at for r in rs] == [0.0, 1.0, 4.0]
     assert rs[1].user_id == "alice" and rs[0].user_id in {"u1", "u2", "u3"}
-    assert len(request_gen.load_trace(p, limit=2)) == 2
+    assert len(traces.load_trace(p, limit=2)) == 2
     (tmp_path / "bad.csv").write_text("arrival_s,prompt_tokens,output_tokens\n0,x,5\n")
     with pytest.raises(ValueError, match="line 2"):
-        request_gen.load_trace(tmp_path / "bad.csv")
+        traces.load_trace(tmp_path / "bad.csv")
     with pytest.raises(FileNotFoundError):
-        request_gen.load_trace(tmp_path / "missing.csv")
+        traces.load_trace(tmp_path / "missing.csv")
 
 
 def test_load_trace_reads_a_user_column(tmp_path):
     # The anchor traces (../shared/traces/anchors/) name the column ``user``, not ``user_id``.
     p = tmp_path / "anchor.csv"
     p.write_text("arrival_s,prompt_tokens,output_tokens,user\n0.1,10,5,A\n0.2,20,7,B\n0.3,30,9,\n")
-    rs = request_gen.load_trace(p, users=3, seed=1)
+    rs = traces.load_trace(p, users=3, seed=1)
     assert [r.user_id for r in rs[:2]] == ["A", "B"]
     assert rs[2].user_id in {"u1", "u2", "u3"}  # an empty one is drawn, as for user_id
     both = tmp_path / "both.csv"  # user_id wins where both columns have a value
     both.write_text("arrival_s,prompt_tokens,output_tokens,user_id,user\n0,10,5,alice,A\n0,10,5,,B\n")
-    assert [r.user_id for r in request_gen.load_trace(both)] == ["alice", "B"]
+    assert [r.user_id for r in traces.load_trace(both)] == ["alice", "B"]
 
 
-@pytest.mark.skipif(not request_gen.TRACES_DIR.exists(), reason="../shared/traces is not beside this checkout")
+@pytest.mark.skipif(not traces.traces_dir().exists(), reason="no traces folder ($BATCH_TRACES_DIR, ../shared/traces)")
 def test_shared_trace_loads_by_name():
-    rs = request_gen.load_trace("norm_azure2023_code.csv", limit=50)
+    rs = traces.load_trace("norm_azure2023_code.csv", limit=50)
     assert len(rs) == 50 and rs[0].submitted_at == 0.0
+
+
+def test_traces_folder_is_the_flag_then_the_setting_then_shared_traces_beside_the_checkout(monkeypatch, tmp_path):
+    monkeypatch.delenv(traces.TRACES_ENV, raising=False)
+    monkeypatch.chdir(ROOT / "tests")  # anywhere inside the checkout: its root is found upward
+    assert traces.project_root() == ROOT
+    assert traces.traces_dir() == ROOT.parent / "shared" / "traces"  # what a checkout always used
+    monkeypatch.setenv(traces.TRACES_ENV, str(tmp_path))
+    assert traces.traces_dir() == tmp_path
+    assert traces.traces_dir(tmp_path / "given") == tmp_path / "given"
+    monkeypatch.delenv(traces.TRACES_ENV)
+    monkeypatch.chdir(tmp_path)  # outside any checkout: the one holding the package (an editable install)
+    assert traces.project_root() is None and traces.traces_dir() == ROOT.parent / "shared" / "traces"
+
+
+def test_a_trace_name_is_looked_up_in_the_setting_or_the_given_folder(monkeypatch, tmp_path, capsys):
+    header = "arrival_s,prompt_tokens,output_tokens,user_id\n"
+    (tmp_path / "mine.csv").write_text(header + "0,10,5,\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "mine.csv").write_text(header + "0,10,7,\n0,10,7,\n")
+    monkeypatch.setenv(traces.TRACES_ENV, str(tmp_path))
+    assert [r.max_tokens for r in traces.load_trace("mine.csv")] == [5]
+    assert [r.max_tokens for r in request_gen.load_trace("mine.csv")] == [5]  # its old home still works
+    assert [r.max_tokens for r in traces.load_trace("mine.csv", trace_dir=other)] == [7, 7]
+    assert cli.main(["--trace", "mine.csv", "--trace-dir", str(other), "--no-progress"]) == 0
+    assert "trace mine.csv (2 requests" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match=traces.TRACES_ENV):
+        traces.load_trace("absent.csv")
 
 
 def test_run_workload_virtual_completes_and_counts_refusals():
@@ -108,10 +138,10 @@ def test_virtual_run_is_reproducible():
 def test_main_job_prints_metrics(capsys, tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("arrival_s,prompt_tokens,output_tokens,user_id\n0,10,5,\n0.01,5000,3,\n0.02,100,7,\n")
-    assert simulate.main(["--trace", str(p), "--no-progress"]) == 0
+    assert cli.main(["--trace", str(p), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "requests finished" in out and "PromptTooLongError" in out
-    assert simulate.main(["--n", "5", "--rate", "100", "--clock", "virtual"]) == 0
+    assert cli.main(["--n", "5", "--rate", "100", "--clock", "virtual"]) == 0
     assert "throughput" in capsys.readouterr().out
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batch.policies.policy import MAX_DRAIN_PASSES, VTCPolicy, remaining_iterations
 from inference_stub import Request
-from policy import MAX_DRAIN_PASSES, VTCPolicy, remaining_iterations
 from spec import fairness_rules as fr
 
 

@@ -8,11 +8,11 @@ import random
 import pytest
 from conftest import ScriptedBackend, StepClock, make_req
 
-import policy
 import scheduler
-from kv_cache import BlockPool
-from spec import fairness_rules as fr
+from batch.core.kv_cache import BlockPool
+from batch.policies import policy
 from scheduler import InvariantViolation, Scheduler
+from spec import fairness_rules as fr
 from spec import invariants as inv
 from spec import model, rules, verify
 from spec.logic import Min

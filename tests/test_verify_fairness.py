@@ -9,7 +9,7 @@ import pytest
 from conftest import ScriptedBackend, StepClock, make_req
 from test_fairness import _long_amid_small
 
-from policy import VTCPolicy
+from batch.policies.policy import VTCPolicy
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 from spec import verify, verify_fairness as vf

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import vllm_compare as vc  # noqa: E402
-from policy import FCFSPolicy  # noqa: E402
+from batch.policies.policy import FCFSPolicy  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
 T = vc.TraceRequest
@@ -117,7 +117,9 @@ def test_traces_dir_flag_then_env_then_default(monkeypatch, tmp_path):
     monkeypatch.delenv(vc.TRACES_ENV, raising=False)
     assert vc.traces_dir() == ROOT.parent / "shared" / "traces" / "anchors"
     monkeypatch.setenv(vc.TRACES_ENV, str(tmp_path))
-    assert vc.traces_dir() == tmp_path
+    assert vc.traces_dir() == tmp_path  # a folder of anchor traces itself
+    (tmp_path / "anchors").mkdir()
+    assert vc.traces_dir() == tmp_path / "anchors"  # the traces folder, as the main job reads it
     assert vc.traces_dir("elsewhere") == Path("elsewhere")
 
 

@@ -1,5 +1,5 @@
 """Seeded workloads for the benchmarks: the A/B fairness burst, long requests, an on/off
-pattern, plus a catalogue (``WORKLOADS``) of every workload ``bench.py`` runs.
+pattern, plus a catalogue (``WORKLOADS``) of every workload ``bench/bench.py`` runs.
 
 Every generator returns fresh ``Request`` objects whose ``submitted_at`` is the arrival offset
 in seconds (as ``request_gen.stream``); the same arguments give the same requests. Prompt and
@@ -14,6 +14,7 @@ from typing import Callable
 
 import inference_stub
 import request_gen
+from batch.sim import traces
 from inference_stub import VOCAB_SIZE, Request
 
 __all__ = ["ab_burst", "long_requests", "on_off", "Workload", "WORKLOADS", "QUICK_WORKLOADS"]
@@ -99,7 +100,7 @@ def _stream(name: str, title: str, n: int, lam: float, seed: int) -> Workload:
 def _trace(name: str, title: str, file: str, limit: int, cap: int, seed: int, time_scale: float = 1.0) -> Workload:
     return Workload(name, title,
                     f"request_gen.load_trace({file!r}, limit={limit}, time_scale={time_scale}, users=5, seed={seed})",
-                    lambda: request_gen.load_trace(file, limit=limit, time_scale=time_scale, users=5, seed=seed),
+                    lambda: traces.load_trace(file, limit=limit, time_scale=time_scale, users=5, seed=seed),
                     kv_cap_blocks=cap, eos_probability=0.0, time_scale=time_scale, seed=seed)
 
 
@@ -126,7 +127,7 @@ WORKLOADS: tuple[Workload, ...] = (
            "norm_mooncake_conversation.csv", 200, 2048, 9),
 )
 
-#: Small versions for smoke runs (``bench.py --quick``) and the tests.
+#: Small versions for smoke runs (``bench/bench.py --quick``) and the tests.
 QUICK_WORKLOADS: tuple[Workload, ...] = (
     _stream("stream-saturating", "request_gen.stream at 60 req/s (small)", 150, 60.0, 3),
     Workload("ab-burst", "fairness burst: 20 requests of user A + 3 of user B within 1 s",

@@ -1,17 +1,11 @@
-"""The main job: push a workload through Batch on the simulated GPU and print metrics.
-
-    python simulate.py                                   # 50 requests of request_gen.stream, real-time stub
-    python simulate.py --trace norm_azure2023_conv.csv --limit 2000 --kv-cap-blocks 1024
-    python simulate.py --clock virtual --n 10000 --rate 40
-    python simulate.py --backend model                   # a tiny seeded Llama on the paged KV cache
-    python simulate.py --backend model --model PATH      # a local Hugging Face checkpoint directory
-    python simulate.py --policy fcfs --json              # FCFS admission; one JSON object of the metrics
+"""The main job's library: push a workload through a scheduler on the simulated GPU, and the
+metrics table and JSON it prints (the command line is ``batch.cli``: ``python -m batch``).
 
 Arrivals are replayed: each request is submitted when the clock passes its arrival offset,
 between ticks, as a serving loop would. With ``--clock virtual`` the stub advances simulated
 time by its latency model instead of sleeping, and idle gaps are skipped.
 
-The metrics are ``Scheduler.metrics()`` (``metrics.py``); ``--json`` prints them under vLLM
+The metrics are ``Scheduler.metrics()`` (``batch.core.metrics``); ``--json`` prints them under vLLM
 ``benchmark_serving``'s names (``metrics.benchmark_metrics``) with the goodput under
 ``--slo-ttft-ms`` / ``--slo-tpot-ms`` / ``--slo-e2el-ms``. ``gpu_utilization`` is the
 contract's fraction of ticks whose batch was non-empty; ``gpu_busy_fraction`` is the time
@@ -20,22 +14,18 @@ the run's clock), the GPU-busy share of clock time.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import numbers
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import inference_stub
-import metrics
-import request_gen
-from baselines import ReservationScheduler, StaticBatchScheduler
+from batch.core import metrics
+from batch.policies.baselines import ReservationScheduler, StaticBatchScheduler
+from batch.policies.policy import FCFSPolicy, RoundRobinPolicy
 from inference_stub import Request, SimulatedGPU, VirtualClock
-from policy import FCFSPolicy, RoundRobinPolicy
 from scheduler import RequestError, Scheduler
 
 #: ``--policy`` choices: name -> (scheduler class, policy factory or ``None`` for the class's
@@ -241,169 +231,6 @@ def format_metrics(m: dict, result: RunResult | None = None, *, slo: metrics.SLO
     return "\n".join(f"{k:<{_LABEL_WIDTH}}  {v}" for k, v in rows)
 
 
-def _count(lo: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``lo``."""
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < lo:
-            raise ValueError(text)
-        return v
-    parse.__name__ = f"int >= {lo}"  # argparse names the type in its message
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a finite float > 0."""
-    v = float(text)
-    if not 0 < v < math.inf:
-        raise ValueError(text)
-    return v
-
-
-def _probability(text: str) -> float:
-    """An argparse type: a float in [0, 1]."""
-    v = float(text)
-    if not 0 <= v <= 1:
-        raise ValueError(text)
-    return v
-
-
-_positive_float.__name__ = "finite number > 0"
-_probability.__name__ = "probability in [0, 1]"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit status.
-
-    A reader that closes the output early (``simulate.py | head``) ends the run quietly with
-    status 0, as other command-line tools do, not with a ``BrokenPipeError`` traceback.
-
-    Raises:
-        SystemExit: status 2 with one ``simulate: error: ...`` line on stderr (after the usage
-            line) for a bad argument: a ``--trace`` that is missing, a directory, unreadable, or
-            has a malformed row (a non-number, a nan / inf / negative ``arrival_s``); a
-            ``--model`` that is not a checkpoint directory; a ``--device`` that is not a torch
-            device name or that this machine lacks.
-    """
-    try:
-        return _main(argv)
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that raises nothing.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="simulate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", help="a normalised trace CSV (path, or a file name in ../shared/traces/)")
-    p.add_argument("--limit", type=_count(0), default=None, help="first N trace rows only")
-    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply trace arrival offsets by this")
-    p.add_argument("--users", type=_count(1), default=5, help="users to spread a trace's requests over (traces have none)")
-    p.add_argument("--n", type=_count(0), default=50, help="requests from request_gen.stream (default 50)")
-    p.add_argument("--rate", type=_positive_float, default=5.0, help="stream arrival rate, requests/s (default 5)")
-    p.add_argument("--seed", type=int, default=42, help="workload seed (default 42)")
-    p.add_argument("--clock", choices=("real", "virtual"), default=None,
-                   help="real: the stub sleeps (default for stream); virtual: simulated time (default for traces)")
-    p.add_argument("--gpu-seed", type=int, default=0, help="seeded token streams per request (default 0)")
-    p.add_argument("--eos-probability", type=_probability, default=None,
-                   help="chance of an early EOS per token (default 0.02 for stream; 0 for traces, so each "
-                        "request runs to its recorded output length)")
-    p.add_argument("--kv-cap-blocks", type=_count(1), default=None, help="KV cache size in blocks (default 256)")
-    p.add_argument("--max-running", type=_count(1), default=None, help="most resident requests (default 256)")
-    p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--backend", choices=("stub", "model"), default="stub",
-                   help="stub: the simulated GPU (default); model: a Hugging Face Llama-family model on a paged "
-                        "KV cache (needs the 'model' extra; real clock)")
-    p.add_argument("--model", default=None, help="with --backend model: a local checkpoint directory "
-                                                 "(default: a tiny seeded Llama, 2 layers, hidden 64)")
-    p.add_argument("--device", default=None, help="with --backend model: torch device (default: cuda if present)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
-                   help="with --backend model: model and KV cache dtype (default float32)")
-    p.add_argument("--policy", choices=tuple(POLICIES), default="vtc",
-                   help="admission and victim policy: " + "; ".join(f"{k}: {v[2]}" for k, v in POLICIES.items()))
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object of the metrics (vLLM benchmark_serving's names: mean_ttft_ms, "
-                        "p99_tpot_ms, request_throughput, request_goodput, ...) and nothing else on stdout")
-    p.add_argument("--slo-ttft-ms", type=_positive_float, default=DEFAULT_SLO_TTFT_MS,
-                   help=f"goodput SLO on time to first token, ms (default {DEFAULT_SLO_TTFT_MS:g})")
-    p.add_argument("--slo-tpot-ms", type=_positive_float, default=DEFAULT_SLO_TPOT_MS,
-                   help=f"goodput SLO on time per output token after the first, ms (default {DEFAULT_SLO_TPOT_MS:g})")
-    p.add_argument("--slo-e2el-ms", type=_positive_float, default=None,
-                   help="goodput SLO on end-to-end latency, ms (default: none)")
-    a = p.parse_args(argv)
-    if a.backend == "model" and a.clock == "virtual":
-        p.error("--backend model runs on the real clock (its iteration time is the model's)")
-    sched_cls, make_policy, _ = POLICIES[a.policy]
-    if a.backend == "model" and sched_cls is not Scheduler:
-        p.error(f"--policy {a.policy} runs on the stub backend only (with --backend model: "
-                f"{', '.join(k for k, v in POLICIES.items() if v[0] is Scheduler)})")
-    slo = metrics.SLO(ttft_s=a.slo_ttft_ms / 1e3, tpot_s=a.slo_tpot_ms / 1e3,
-                      e2el_s=None if a.slo_e2el_ms is None else a.slo_e2el_ms / 1e3)
-    out = (lambda *args: None) if a.json else print  # --json: the JSON object only on stdout
-
-    if a.trace:
-        try:
-            reqs = request_gen.load_trace(a.trace, limit=a.limit, time_scale=a.time_scale, users=a.users, seed=a.seed)
-        except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
-            p.error(str(e))  # no such trace, a directory, unreadable, or a malformed row / arrival
-        label = f"trace {a.trace} ({len(reqs)} requests, time scale {a.time_scale})"
-    else:
-        reqs = request_gen.stream(n=a.n, lam=a.rate, seed=a.seed)
-        label = f"request_gen.stream(n={a.n}, lam={a.rate}, seed={a.seed})"
-    virtual = (a.clock or ("virtual" if a.trace else "real")) == "virtual"
-    kw = {k: v for k, v in (("kv_cap_blocks", a.kv_cap_blocks), ("max_running", a.max_running),
-                            ("token_budget_tokens", a.token_budget)) if v is not None}
-    eos_p = a.eos_probability if a.eos_probability is not None else (0.0 if a.trace else
-                                                                      inference_stub.EOS_PROBABILITY)
-    progress = not a.no_progress and len(reqs) >= 200
-    if a.backend == "model":
-        try:
-            import model_backend  # noqa: PLC0415 - the optional 'model' extra
-        except ImportError as e:
-            print(f"--backend model needs the 'model' extra (pip install -e '.[model]'): {e}", file=sys.stderr)
-            return 2
-        try:
-            backend = model_backend.from_cli(path=a.model, device=a.device, dtype=a.dtype,
-                                             num_blocks=kw.pop("kv_cap_blocks", 256))
-        except (FileNotFoundError, model_backend.DeviceError) as e:  # --model nowhere, --device absent
-            p.error(str(e))
-        make = backend.make_scheduler
-        if make_policy is not None:
-            make = lambda **k: backend.make_scheduler(policy=make_policy(), **k)  # noqa: E731
-        res = run_workload(reqs, make_scheduler=make, virtual=False, progress=progress, **kw)
-        virtual = False
-        label += f", model backend: {backend.describe()}"
-    else:
-        make = sched_cls if make_policy is None else lambda **k: sched_cls(policy=make_policy(), **k)  # noqa: E731
-        res = run_workload(reqs, make_scheduler=make, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p,
-                           progress=progress, **kw)
-    s = res.scheduler
-    m = s.metrics()
-    good = metrics.good_requests(res.completed(), slo)
-    if a.json:
-        print(json.dumps(json_metrics(m, res, slo=slo, good=good, policy=a.policy,
-                                      policy_class=type(s.policy).__name__, scheduler_class=type(s).__name__,
-                                      backend=a.backend, clock="virtual" if virtual else "real", workload=label),
-                         indent=2))
-        return 0
-    out(f"Batch on {label}")
-    out(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.kv_cap_blocks} blocks x "
-        f"{s.block_tokens} tokens; prefill chunk {s.prefill_chunk_tokens}; policy {type(s.policy).__name__} "
-        f"(--policy {a.policy})")
-    out(format_metrics(m, res, slo=slo, good=good))
-    iso = getattr(s, "isolation", None)
-    if iso is not None and iso.model.ready:
-        a_s, per_req_s, per_tok_s = iso.model.coefficients()
-        out(f"learned iteration latency: {a_s * 1e3:.3f} ms + {per_req_s * 1e6:.1f} us/request + "
-            f"{per_tok_s * 1e6:.2f} us/token ({iso.model.observations} iterations observed)")
-    if res.refused:
-        r, e = res.refused[0]
-        out(f"first refusal: {r.request_id}: {type(e).__name__}: {e}")
-    return 0
-
-
 def json_metrics(m: dict, result: RunResult, *, slo: metrics.SLO, good: int, **context: object) -> dict:
     """What ``--json`` prints: ``context`` (policy, backend, clock, workload), then vLLM
     ``benchmark_serving``'s keys (``metrics.benchmark_metrics``), the goodput's SLOs and
@@ -421,7 +248,3 @@ def json_metrics(m: dict, result: RunResult, *, slo: metrics.SLO, good: int, **c
         "wall_s": result.wall_s,
         "scheduler_metrics": m,
     }
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

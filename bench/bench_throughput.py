@@ -1,9 +1,9 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench_throughput.py                # every experiment (about 15 minutes on 2 cores)
-    python bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
-    python bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
+    python bench/bench_throughput.py                # every experiment (about 15 minutes on 2 cores)
+    python bench/bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
+    python bench/bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
                                               # victims, backfill, easy, idle, resume, drain, search or ttft
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
@@ -31,7 +31,7 @@ workload's upper bound, ``bench.throughput_upper_bound``):
   windows (rows 0-599, 600-1199, ... of the Azure conversation trace; 200-row windows of the
   Mooncake trace): Batch as shipped, the rule it replaced, and no user shielded.
 * ``backfill``: Batch with and without backfill over the same seeds and windows.
-* ``easy``: Batch with and without EASY backfilling (``backfill.py``), and the two best
+* ``easy``: Batch with and without EASY backfilling (``batch/core/backfill.py``), and the two best
   baselines, over the same seeds and windows.
 * ``idle``: where the idle KV blocks are, with and without EASY backfilling: per saturating
   workload, the mean share of the cache left free in ticks with nothing waiting, in ticks
@@ -61,19 +61,23 @@ import sys
 import time
 from bisect import insort
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-import bench
-import policy
-import request_gen
-import workloads
-from oracle import ClairvoyantPolicy
-from policy import VTCPolicy
-from scheduler import Scheduler
-from spec import fairness_rules as fr
-from spec import lifecycle as lc
+ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import bench  # noqa: E402  (bench/bench.py, beside this file)
+from batch.policies import policy  # noqa: E402
+from batch.policies.oracle import ClairvoyantPolicy  # noqa: E402
+from batch.policies.policy import VTCPolicy  # noqa: E402
+from batch.sim import traces, workloads  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from spec import fairness_rules as fr  # noqa: E402
+from spec import lifecycle as lc  # noqa: E402
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
 EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "easy", "idle", "resume",
@@ -127,7 +131,7 @@ class UnshieldedVictim(VTCPolicy):
 
 def _trace_window(file: str, rows: int, k: int, users_seed: int) -> list:
     """Rows ``k*rows .. (k+1)*rows - 1`` of a trace, arrivals re-based to start at 0."""
-    reqs = request_gen.load_trace(file, limit=rows * (k + 1), users=5, seed=users_seed)[rows * k:]
+    reqs = traces.load_trace(file, limit=rows * (k + 1), users=5, seed=users_seed)[rows * k:]
     t0 = reqs[0].submitted_at
     for r in reqs:
         r.submitted_at -= t0

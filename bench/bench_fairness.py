@@ -1,9 +1,9 @@
 """Fairness benchmark: VTC with TTFT isolation against VTC alone, FCFS and per-user round robin.
 
-    python bench_fairness.py                 # every workload, virtual clock
-    python bench_fairness.py --quick         # small sizes (what the test suite runs)
-    python bench_fairness.py --overhead      # only the scheduler's CPU time per tick
-    python bench_fairness.py --resume-search # only a large prompt's wait amid preemptions,
+    python bench/bench_fairness.py                 # every workload, virtual clock
+    python bench/bench_fairness.py --quick         # small sizes (what the test suite runs)
+    python bench/bench_fairness.py --overhead      # only the scheduler's CPU time per tick
+    python bench/bench_fairness.py --resume-search # only a large prompt's wait amid preemptions,
                                              # preempted decodes resuming first or not
 
 Workloads (seeded; virtual clock through ``simulate.run_workload`` unless stated):
@@ -36,15 +36,20 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
-import inference_stub
-import simulate
-from inference_stub import Request
-from metrics import jain_index
-from policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
-from scheduler import Scheduler
-from spec import fairness_rules as fr
+ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import inference_stub  # noqa: E402
+from batch.core.metrics import jain_index  # noqa: E402
+from batch.policies.policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy  # noqa: E402
+from batch.sim import simulate  # noqa: E402
+from inference_stub import Request  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from spec import fairness_rules as fr  # noqa: E402
 
 PROMPT_RANGE = (5, 199)
 MAX_TOKENS_RANGE = (10, 99)

@@ -27,7 +27,7 @@ class ClairvoyantPolicy:
         order: the admission order, by remaining iterations (true lengths): ``"lpt"`` longest
             first (the default, LPT list scheduling), ``"spt"`` shortest first, ``"fifo"``
             arrival order (lengths then matter only through the victim rule). Other list
-            rules are for ``bench_throughput.py --only orders``: how far any of them gets.
+            rules are for ``bench/bench_throughput.py --only orders``: how far any of them gets.
         backfill: pass a waiting request that does not fit (default ``True``).
 
     Raises:

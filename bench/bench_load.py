@@ -1,7 +1,7 @@
 """Load and endurance benchmark (issue 6): prints figures, asserts nothing about speed.
 
-    .venv/bin/python bench_load.py                 # all three parts, 100,000 requests
-    .venv/bin/python bench_load.py --n 20000 --parts endurance,memory
+    .venv/bin/python bench/bench_load.py                 # all three parts, 100,000 requests
+    .venv/bin/python bench/bench_load.py --n 20000 --parts endurance,memory
 
 Parts:
 
@@ -11,7 +11,7 @@ Parts:
 * ``memory``: the same workload replayed by a streaming driver that drops each request once
   it finishes (as a server does after replying), under ``tracemalloc``: prints the traced
   memory at every tenth of the run. Flat after warm-up means the scheduler keeps no finished
-  request; what grows is the metrics' per-request samples (8 bytes each, see ``metrics.py``).
+  request; what grows is the metrics' per-request samples (8 bytes each, see ``batch/core/metrics.py``).
 * ``scaling``: per-operation cost of ``submit``, ``tick`` and ``abort`` with 1k, 10k and 100k
   requests waiting (a tiny KV cache keeps them waiting): flat figures mean O(1) in the number
   waiting; ``abort`` of a waiting request scans the FCFS deque (O(n), in C).
@@ -21,14 +21,20 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 from typing import Iterator
 
-import request_gen
-import simulate
-from inference_stub import VOCAB_SIZE, Request, SimulatedGPU, VirtualClock
-from scheduler import Scheduler
+ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import request_gen  # noqa: E402
+from batch.sim import simulate  # noqa: E402
+from inference_stub import VOCAB_SIZE, Request, SimulatedGPU, VirtualClock  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
 
 
 def make_workload(n: int, *, users: int = 1000, rate_per_s: float = 20.0, seed: int = 0) -> list[Request]:

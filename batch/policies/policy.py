@@ -253,7 +253,7 @@ class VTCPolicy:
         admission_headroom: ask the scheduler to leave room for the next iteration's growth
             at admission (``spec.fairness_rules.growth_headroom_blocks``): fewer preemptions.
         easy_backfill: ask the scheduler to admit, past a first candidate that does not fit, the
-            candidates that cannot delay it in the worst case (EASY backfilling, ``backfill.py``).
+            candidates that cannot delay it in the worst case (EASY backfilling, ``batch/core/backfill.py``).
         drain_longest_first: the drain phase (``before_admission``).
         resume_decodes_first: ask the scheduler to try each preempted request that already
             has output tokens (a decode preempted by recompute; ``resume_first``) before the

@@ -16,7 +16,7 @@ keeps the head's place in time instead:
 
 Requests that stop early (EOS) only free blocks sooner, so the head is admitted no later than
 its shadow iteration unless a growth preemption, a later change of the admission order, or
-isolation intervenes (``isolation.py``: room made for a protected user's request, or
+isolation intervenes (``batch/core/isolation.py``: room made for a protected user's request, or
 iterations in which resident requests sit out, at most ``max_sit_out_ticks`` in a row,
 which delays the requests the shadow waits for). The worst case also needs
 every resident request to run each iteration, so the scheduler backfills this way only when

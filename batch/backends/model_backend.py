@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from backend_api import BatchItem
+from batch.core.backend_api import BatchItem
 from scheduler import Scheduler
 
 __all__ = ["ATTN_IMPLEMENTATION", "DeviceError", "PagedKVCache", "ModelBackend", "tiny_llama", "load_model",
@@ -462,7 +462,7 @@ def resolve_device(device: str | None) -> torch.device:
 
 def from_cli(*, path: str | None = None, device: str | None = None, dtype: str = "float32",
              num_blocks: int = 256, block_tokens: int = 16) -> ModelBackend:
-    """The backend ``simulate.py --backend model`` runs: a local checkpoint, or the tiny seeded Llama.
+    """The backend ``python -m batch --backend model`` runs: a local checkpoint, or the tiny seeded Llama.
 
     Every argument is checked before a model is built or loaded.
 

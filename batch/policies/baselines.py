@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import scheduler as _scheduler_module
+from batch.policies.policy import FCFSPolicy, RoundRobinPolicy
 from inference_stub import Request
-from policy import FCFSPolicy, RoundRobinPolicy
 from scheduler import Scheduler, _positive
 from spec import rules
 

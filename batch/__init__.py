@@ -1,0 +1,15 @@
+"""Batch: a fair, formally specified continuous-batching scheduler for LLM inference.
+
+The contract modules stay at the project root (``scheduler``, ``inference_stub``,
+``request_gen``); this package holds what they and the main job are built from:
+
+* ``batch.core``: what runs inside ``Scheduler.tick`` besides ``scheduler.py`` (KV blocks,
+  metrics, TTFT isolation, backfilling, the backend interface);
+* ``batch.policies``: admission and victim policies, the baselines, the clairvoyant oracle;
+* ``batch.sim``: arrival replay on the simulated GPU, benchmark workloads, trace loading;
+* ``batch.backends``: a real model under the scheduler (the optional ``model`` extra);
+* ``batch.cli``: the main job's command line (``python -m batch``, ``batch-sim``).
+
+Nothing is imported here: ``import scheduler`` needs only the standard library and
+``transitions``, and each sub-package imports no more than its modules ask for.
+"""

@@ -1,0 +1,2 @@
+"""The simulation harness: arrival replay through a scheduler on the simulated GPU
+(``simulate``), benchmark workloads (``workloads``) and production-trace loading (``traces``)."""
