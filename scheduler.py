@@ -37,6 +37,7 @@ from inference_stub import Request
 from spec import fairness_rules as fr
 from spec import lifecycle as lc
 from spec import rules
+from spec.concrete import fast
 from spec.invariants import InvariantChecker, InvariantViolation
 
 __all__ = ["Scheduler", "SchedulePlan", "ScheduledSeq", "RequestError", "InvalidRequestError",
@@ -620,8 +621,10 @@ class Scheduler:
         pending: list[_Seq] = []  # scheduled requests prefilling toward their first token
         tick_no = self.stats.ticks
         live = list(self.running)  # resident requests not (yet) preempted in this plan
-        growth_blocks, can_allocate, chunk_tokens = rules.growth_blocks, rules.can_allocate, rules.chunk_tokens
-        decode_ready = rules.decode_ready
+        # the rules' plain-int forms (spec.concrete), looked up now so that a replaced rule is seen
+        growth_blocks, can_allocate, chunk_tokens = fast(rules.growth_blocks), fast(rules.can_allocate), \
+            fast(rules.chunk_tokens)
+        decode_ready = fast(rules.decode_ready)
         i = 0
         while i < len(live):
             seq = live[i]
@@ -773,18 +776,14 @@ class Scheduler:
             d.aging_due = bool(blocked) and fr.reserved_after(blocked[0].blocked_ticks + 1, self.aging_ticks)
             self.isolation.refine(d, self)
         g = d.grants
-        entries: list[ScheduledSeq] = []
-        for s in d.order:
-            grant = g[s]
-            if grant is _DECODE_GRANT:  # the same entry every decode tick: build it once
-                e = s.decode_entry or ScheduledSeq(s, 1, 0, False)  # set at admission (_admit)
-            else:
-                e = ScheduledSeq(s, grant[0], grant[1], False)
-            entries.append(e)
+        decode = _DECODE_GRANT
+        # a decode's entry is the same every tick: built once, at admission (_admit)
+        entries = [(s.decode_entry or ScheduledSeq(s, 1, 0, False)) if g[s] is decode
+                   else ScheduledSeq(s, g[s][0], g[s][1], False) for s in d.order]
         entries += [ScheduledSeq(s, g[s][0], g[s][1], True) for s in d.admitted]
         batch = tuple(entries)
         return SchedulePlan(batch=batch, preempted=tuple(d.preempted),
-                            num_batched_tokens=sum([s.num_new_tokens for s in batch]),
+                            num_batched_tokens=self.token_budget_tokens - d.budget_tokens,  # what the grants spent
                             free_blocks_after=d.free_blocks, admission_stop=d.stop, sat_out=tuple(d.sat_out),
                             blocked=_first_not_in(d.blocked, d.admitted), reserve=d.reserve,
                             isolated=d.isolated, protected_updates=d.protected_updates, trimmed=d.trimmed)
@@ -858,28 +857,31 @@ class Scheduler:
             self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
         gone = set(plan.preempted)
         finished: list[Request] = []
-        produces_token, reached_length = rules.produces_token, rules.reached_length
+        produces_token, reached_length = fast(rules.produces_token), fast(rules.reached_length)
         eos, max_len, prefilling = self.eos_token_id, self.max_model_len_tokens, lc.PREFILLING
         itl = self.stats.itl_s if self.stats.record_itl else None
         prompt_served: dict[str, int] = {}  # user -> first-time prompt tokens this iteration (VTC charges)
         output_users: list[str] = []  # the user of each token produced this iteration
+        add_output = output_users.append
+        new_prompt_tokens, prompt_high_water = fast(fr.new_prompt_tokens), fast(fr.prompt_high_water)
         for (seq, num_new_tokens, _, admitted), token in zip(plan.batch, tokens):
             if admitted:
                 self._admit(seq, tick_no, start_s)
             nc = seq.num_computed_tokens
             num_prompt = seq.num_prompt_tokens
             req = seq.req
-            num_tokens = num_prompt + len(req.generated)
+            generated = req.generated
+            num_tokens = num_prompt + len(generated)
             if nc < num_prompt:  # a prompt chunk: charged once per request
-                part = fr.new_prompt_tokens(nc, num_new_tokens, num_prompt, seq.num_prompt_tokens_served)
+                part = new_prompt_tokens(nc, num_new_tokens, num_prompt, seq.num_prompt_tokens_served)
                 prompt_served[seq.user_id] = prompt_served.get(seq.user_id, 0) + part
-                seq.num_prompt_tokens_served = fr.prompt_high_water(
+                seq.num_prompt_tokens_served = prompt_high_water(
                     seq.num_prompt_tokens_served, nc, num_new_tokens, num_prompt)
             seq.num_computed_tokens = nc + num_new_tokens
             if not produces_token(nc, num_new_tokens, num_tokens):
                 continue
-            req.generated.append(token if type(token) is int else int(token))
-            output_users.append(seq.user_id)
+            generated.append(token if type(token) is int else int(token))
+            add_output(seq.user_id)
             if req.started_at is None:
                 req.started_at = now
             elif itl is not None and seq.last_token_s is not None:

@@ -57,7 +57,8 @@ def _compile_module(module: types.ModuleType) -> dict[Callable, Callable]:
 
     The compiled functions share one namespace, a copy of the module's, in which the module's
     functions are replaced by their compiled forms (a rule calling another calls the compiled
-    one). A function whose source cannot be read (no .py file) is left out.
+    one; ``fast`` checks that the rules it calls are still the module's). A function whose
+    source cannot be read (no .py file) is left out.
     """
     funcs = {name: f for name, f in vars(module).items()
              if isinstance(f, types.FunctionType) and f.__module__ == module.__name__}
@@ -70,6 +71,7 @@ def _compile_module(module: types.ModuleType) -> dict[Callable, Callable]:
             continue
         tree = ast.parse(src)
         fn = tree.body[0]
+        calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         if not isinstance(fn, ast.FunctionDef):
             continue
         fn.decorator_list = []
@@ -81,17 +83,35 @@ def _compile_module(module: types.ModuleType) -> dict[Callable, Callable]:
         compiled.__doc__ = f.__doc__
         compiled.__wrapped__ = f
         out[f] = compiled
+        _DEPENDS[f] = tuple((module, g, funcs[g]) for g in sorted(calls & funcs.keys()) if g != name)
     return out
 
 
+#: rule -> the rules of its module it calls: ``(module, name, function at import)``.
+_DEPENDS: dict[Callable, tuple[tuple[types.ModuleType, str, Callable], ...]] = {}
 _FAST: dict[Callable, Callable] = {}
 for _m in MODULES:
     _FAST.update(_compile_module(_m))
+for _f in _FAST:  # calls of calls too: growth_blocks -> blocks_needed -> blocks_for
+    _all, _todo = set(), list(_DEPENDS[_f])
+    while _todo:
+        _d = _todo.pop()
+        if _d not in _all:
+            _all.add(_d)
+            _todo.extend(_DEPENDS.get(_d[2], ()))
+    _DEPENDS[_f] = tuple(sorted(_all, key=lambda d: (d[0].__name__, d[1])))
 
 
 def fast(rule: Callable) -> Callable:
-    """The plain-int compiled form of ``rule`` if this module compiled it, else ``rule`` itself."""
-    return _FAST.get(rule, rule)
+    """The plain-int compiled form of ``rule`` if this module compiled it and every rule it
+    calls is still the module's own (none was replaced at run time), else ``rule`` itself."""
+    compiled = _FAST.get(rule)
+    if compiled is None:
+        return rule
+    for module, name, original in _DEPENDS[rule]:
+        if getattr(module, name) is not original:
+            return rule  # a rule it calls was replaced: the source form looks it up live
+    return compiled
 
 
 def compiled() -> dict[Callable, Callable]:

@@ -387,8 +387,11 @@ class InvariantChecker:
             if not chunk_within_limit(s.num_new_tokens, sched.prefill_chunk_tokens):
                 fail("chunk_within_limit", f"{s.seq.request_id}: {s.num_new_tokens} tokens in one iteration, "
                                            f"chunk {sched.prefill_chunk_tokens}")
-        if not batch_within_budget([s.num_new_tokens for s in plan.batch], sched.token_budget_tokens):
+        new_tokens = [s.num_new_tokens for s in plan.batch]
+        if not batch_within_budget(new_tokens, sched.token_budget_tokens):
             fail("batch_within_budget", f"{plan.num_batched_tokens} tokens, budget {sched.token_budget_tokens}")
+        if plan.num_batched_tokens != sum(new_tokens):  # the plan counts them from the budget it spent
+            fail("batch_within_budget", f"plan says {plan.num_batched_tokens} tokens, its batch has {sum(new_tokens)}")
         in_batch = {id(s) for s in batch}
         kv_at_forward = []
         for s in (*sched._by_obj.values(), *done):

@@ -53,3 +53,13 @@ def test_a_compiled_rule_calls_the_compiled_forms_of_the_rules_it_uses():
     f = COMPILED[fairness_rules.streak_after]
     assert f.__globals__["next_streak"] is COMPILED[fairness_rules.next_streak]
     assert f(3, True, False) == 4 and f(3, True, True) == 0 and f(3, False, False) == 0
+
+
+def test_a_rule_whose_callee_was_replaced_runs_in_its_source_form(monkeypatch):
+    """``growth_blocks`` calls ``blocks_needed``, which calls ``blocks_for``: a bug planted in
+    either must reach a caller of ``fast(rules.growth_blocks)``."""
+    assert concrete.fast(rules.growth_blocks) is COMPILED[rules.growth_blocks]
+    monkeypatch.setattr(rules, "blocks_for", lambda n, b: 0)
+    f = concrete.fast(rules.growth_blocks)
+    assert f is rules.growth_blocks and f(0, 100, 16) == 0  # the replacement is seen
+    assert concrete.fast(rules.decode_ready) is COMPILED[rules.decode_ready]  # calls no rule
