@@ -18,20 +18,22 @@ the z3 proofs check.
 from __future__ import annotations
 
 import collections
-import itertools
 import numbers
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import inference_stub
 from batch.core.backend_api import batch_items
-from batch.core.backfill import Shadow, WorstCaseProfile, budget_never_binds, worst_case_iterations
-from batch.core.isolation import Isolation, PlanDraft
+from batch.core.admission import BACKFILL_WINDOW, admit_waiting, easy_shadow  # noqa: F401 (BACKFILL_WINDOW: re-exported)
+from batch.core.backfill import Shadow, WorstCaseProfile
+from batch.core.isolation import Isolation
 from batch.core.kv_cache import BlockPool
 from batch.core.metrics import MetricsRecorder
+from batch.core.plan import ScheduledSeq, SchedulePlan
+from batch.core.plan import Seq as _Seq
+from batch.core.running import schedule_running
 from batch.policies.policy import Policy, VTCPolicy
 from inference_stub import Request
 from spec import fairness_rules as fr
@@ -55,13 +57,11 @@ MAX_PREEMPTIONS = 4
 #: Default aging bound: ticks as the first waiting request that does not fit, then it holds the
 #: reservation (``spec.fairness_rules.reserved_after``).
 AGING_TICKS = 32
-#: With backfill (plain or EASY), most waiting requests tried and not admitted past the first
-#: that does not fit, per tick.
-BACKFILL_WINDOW = 16
 
 #: The one shared lifecycle machine; records are never registered with it.
 MACHINE = lc.new_machine()
 _EVENTS = MACHINE.events
+_INT_TYPE = frozenset({int})
 
 
 def wall_clock() -> float:
@@ -108,118 +108,6 @@ class BackendError(RuntimeError):
         super().__init__(f"{message} (batch of {len(request_ids)}: {request_ids[:8]}"
                          f"{' ...' if len(request_ids) > 8 else ''})")
         self.request_ids = request_ids
-
-
-# ---------------------------------------------------------------- records and plan
-
-
-@dataclass(slots=True, eq=False)
-class _Seq:
-    """The scheduler's record of one request (compares by identity).
-
-    ``num_tokens`` = prompt + generated tokens known; ``num_computed_tokens`` of them have KV
-    in the cache (vLLM's terms); ``block_table`` lists the block ids held.
-    """
-
-    req: Request
-    user_id: str
-    arrival_no: int
-    num_prompt_tokens: int
-    state: str = lc.QUEUED
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
-    admit_no: int = -1
-    admit_tick: int = -1
-    num_prompt_tokens_served: int = 0  # most prompt tokens ever computed: prompts are charged once
-    blocked_ticks: int = 0  # ticks as the first waiting request that did not fit (aging)
-    pinned: bool = False  # admitted with worst-case blocks after MAX_PREEMPTIONS; never a victim
-    admitted_s: float | None = None
-    last_token_s: float | None = None
-    finish_reason: str | None = None
-    decode_entry: ScheduledSeq | None = None  # ScheduledSeq(self, 1, 0, False), built at admission, reused
-    rid: str = ""  # request_id at submit: the key in Scheduler._by_id, even if the caller changes the field
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.req.generated)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.req.generated)
-
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
-
-
-class ScheduledSeq(NamedTuple):
-    """One request's share of an iteration (immutable; a ``NamedTuple``, cheap to build per
-    request per tick).
-
-    Attributes:
-        seq: the scheduler's record.
-        num_new_tokens: tokens processed this iteration (a prefill chunk, or 1 for a decode).
-        new_blocks: blocks granted before the iteration (whole prompt at admission, growth after).
-        admitted: the request enters from the waiting queue in this iteration.
-    """
-
-    seq: _Seq
-    num_new_tokens: int
-    new_blocks: int
-    admitted: bool
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulePlan:
-    """The decision for one iteration (vLLM V1's ``SchedulerOutput``, reduced).
-
-    Attributes:
-        batch: the participating requests, in ``forward`` order.
-        preempted: resident requests preempted by recompute before this iteration.
-        num_batched_tokens: sum of ``num_new_tokens``, tokens.
-        free_blocks_after: free blocks once the plan is applied.
-        admission_stop: why admission stopped: ``"empty"`` (nothing waiting), ``"kv"``,
-            ``"budget"``, ``"max_running"`` or ``"preempted"`` (no admission in a tick that
-            preempted).
-        sat_out: resident requests that sit out this iteration, keeping their KV (TTFT
-            isolation, ``isolation.py``).
-        blocked: the first waiting request that did not fit (its aging count grows), or None.
-        reserve: the request that holds the reservation after this iteration (room was made
-            for it by preemption), or None.
-        isolated: whether this iteration is isolated (``sat_out`` or deferred admissions).
-        trimmed: whether ``sat_out`` sit out to meet ``Isolation.iteration_target_s`` (then not isolated).
-        protected_updates: user -> protected (TTFT protection hysteresis states to commit).
-    """
-
-    batch: tuple[ScheduledSeq, ...]
-    preempted: tuple[_Seq, ...]
-    num_batched_tokens: int
-    free_blocks_after: int
-    admission_stop: str
-    sat_out: tuple[_Seq, ...] = ()
-    blocked: _Seq | None = None
-    reserve: _Seq | None = None
-    isolated: bool = False
-    protected_updates: dict[str, bool] = field(default_factory=dict)
-    trimmed: bool = False
-
-    @property
-    def requests(self) -> list[Request]:
-        """The ``Request`` objects passed to ``forward``, in batch order."""
-        return [s.seq.req for s in self.batch]
-
-
-_INT_TYPE = frozenset({int})
-_DECODE_GRANT = (1, 0)  # (num_new_tokens, new_blocks) of a decode on the fast path (rules.decode_ready)
-
-
-def _first_not_in(xs: list[Any], ys: list[Any]) -> Any:
-    """The first of ``xs`` not in ``ys`` (by identity), or None."""
-    if not xs:
-        return None
-    seen = {id(y) for y in ys}
-    return next((x for x in xs if id(x) not in seen), None)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -598,195 +486,27 @@ class Scheduler:
     # ------------------------------------------------------------ the step, in two halves
 
     def schedule(self) -> SchedulePlan:
-        """Decide the next iteration without changing any state.
+        """Decide the next iteration without changing any state, in four named steps.
 
-        Running requests first (in admission order): each catches ``num_computed_tokens`` up
-        by a chunk (prefill) or one token (decode) within the token budget, after growing its
-        block table by ``spec.rules.growth_blocks``; when the pool cannot cover the growth,
-        the policy's victim is preempted by recompute (possibly the request itself). A request
-        the spent budget cannot run is left out: it neither grows nor preempts. Then,
-        unless something was preempted, waiting requests are admitted in the policy's order
-        while ``spec.rules.can_allocate`` holds for their whole prompt plus one slot.
+        1. ``running.schedule_running``: running requests first (in admission order), each a
+           prefill chunk or a decode within the token budget, growing its block table
+           (``spec.rules.growth_blocks``) or preempting the policy's victim by recompute.
+        2. ``admission.admit_waiting``: unless something was preempted, waiting requests in
+           the policy's order while ``spec.fairness_rules.can_admit`` holds (EASY backfilling
+           past a blocked first candidate, the aging reservation first).
+        3. ``Isolation.refine`` (when on): TTFT protection of light users, sit-outs, the
+           iteration target.
+        4. ``PlanDraft.freeze``: the frozen ``SchedulePlan``.
 
         Returns:
             The plan. Invariant: applying it keeps ``spec.rules.kv_within_cap``.
         """
-        free = self.pool.num_free
-        budget = self.token_budget_tokens
-        chunk = self.prefill_chunk_tokens
-        B = self.block_tokens
-        grants: dict[_Seq, Sequence[int]] = {}  # seq -> (num_new_tokens, new_blocks)
-        order: list[_Seq] = []
-        preempted: list[_Seq] = []
-        pending: list[_Seq] = []  # scheduled requests prefilling toward their first token
-        tick_no = self.stats.ticks
-        live = list(self.running)  # resident requests not (yet) preempted in this plan
-        # the rules' plain-int forms (spec.concrete), looked up now so that a replaced rule is seen
-        growth_blocks, can_allocate, chunk_tokens = fast(rules.growth_blocks), fast(rules.can_allocate), \
-            fast(rules.chunk_tokens)
-        decode_ready = fast(rules.decode_ready)
-        i = 0
-        while i < len(live):
-            seq = live[i]
-            num_tokens = seq.num_prompt_tokens + len(seq.req.generated)
-            if budget > 0 and decode_ready(len(seq.block_table), num_tokens, seq.num_computed_tokens, B):
-                # what growth_blocks, can_allocate and chunk_tokens give here (spec.verify: decode_fast_path)
-                grants[seq] = _DECODE_GRANT
-                order.append(seq)
-                budget -= 1
-                if num_tokens == seq.num_prompt_tokens:  # a 1-token last prompt chunk
-                    pending.append(seq)
-                i += 1
-                continue
-            if budget <= 0:  # the token budget is spent: it cannot run, so it neither grows nor preempts
-                i += 1
-                continue
-            need = growth_blocks(len(seq.block_table), num_tokens, B)
-            preempted_self = False
-            while not can_allocate(free, need):
-                # Pinned requests are never victims; seq itself is not pinned (pinned ones never grow).
-                victim = self.policy.choose_victim([s for s in live if not s.pinned])
-                if not fr.may_preempt(victim.num_preemptions, self.max_preemptions, victim.admit_tick, tick_no):
-                    raise AssertionError(f"policy chose {victim.request_id}, which may not be preempted")
-                v = live.index(victim)
-                del live[v]
-                preempted.append(victim)
-                free += len(victim.block_table)
-                if victim in grants:  # an earlier request of this plan: undo its share
-                    n_undo, blocks_undo = grants.pop(victim)
-                    order.remove(victim)
-                    free += blocks_undo
-                    budget += n_undo
-                if victim is seq:
-                    preempted_self = True
-                    break
-                if v < i:
-                    i -= 1
-            if preempted_self:
-                continue  # live[i] is now the next request
-            n = chunk_tokens(num_tokens, seq.num_computed_tokens, chunk, budget)
-            if n > 0:
-                grants[seq] = (n, need)
-                order.append(seq)
-                free -= need
-                budget -= n
-                if num_tokens == seq.num_prompt_tokens:  # no output token yet
-                    pending.append(seq)
-            i += 1
-
-        admitted: list[_Seq] = []
-        blocked: list[_Seq] = []  # waiting candidates that did not fit, in the order tried
-        before_admission = getattr(self.policy, "before_admission", None)
-        if before_admission is not None:  # every plan, so isolation's peek sees it too (VTC's drain phase)
-            before_admission(len(live), min(chunk, self.token_budget_tokens))
-        if preempted:
-            stop = "preempted"
-        elif len(live) >= self.max_running and len(self.policy):
-            stop = "max_running"  # no slot: the policy's order is not needed
-        else:
-            stop = "empty"
-            resident = len(live)
-            easy: tuple[WorstCaseProfile, Shadow] | None = None  # the head's shadow, once EASY passes it
-            easy_headroom = 0  # the admission headroom the head's shadow counts, blocks
-            passed = 0  # candidates EASY tried past the head
-            reserved = self._reserved
-            if reserved is not None and reserved.state not in lc.WAITING_STATES:
-                reserved = None
-            # (candidate, trial): a trial is a preempted decode (VTCPolicy.resume_first) tried before
-            # the policy's order and admitted only if it fits now; one that does not is skipped
-            # (neither blocked nor passed) and tried again at its place in the order. An order whose
-            # first request is already blocked keeps it first: past it, trials are EASY-checked.
-            candidates: Iterator[tuple[_Seq, bool]] = zip(self.policy.admission_order(), itertools.repeat(False))
-            resume_first = getattr(self.policy, "resume_first", None)
-            if resume_first is not None:
-                trials = [(s, True) for s in itertools.islice(resume_first(), BACKFILL_WINDOW)]  # minus the holder, below
-                if trials:  # a trial admitted is in grants when the order reaches it
-                    head = next(candidates, None)
-                    rest = ((s, t) for s, t in candidates if s not in grants)
-                    if head is None:
-                        candidates = iter(trials)
-                    elif head[0].blocked_ticks > 0:  # the order's head is blocked: trials go behind it (EASY)
-                        candidates = itertools.chain((head,), (x for x in trials if x[0] is not head[0]), rest)
-                    else:
-                        candidates = itertools.chain(trials, ((s, t) for s, t in (head,) if s not in grants), rest)
-            if reserved is not None:  # the reservation goes first
-                candidates = itertools.chain(((reserved, False),), ((s, t) for s, t in candidates if s is not reserved))
-            for seq, trial in candidates:
-                if resident + len(admitted) >= self.max_running:
-                    stop = "max_running"
-                    break
-                if budget <= 0:
-                    stop = "budget"
-                    break
-                need = self._admission_blocks(seq)
-                headroom = (fr.growth_headroom_blocks(resident + len(admitted), B)
-                            if self.admission_headroom and seq is not reserved else 0)
-                if not fr.can_admit(free, need, headroom):
-                    if trial:
-                        continue
-                    stop = "kv"
-                    if easy is not None:  # EASY passes it too; blocked stays [head] for isolation's peek
-                        passed += 1
-                        if len(blocked) + passed > BACKFILL_WINDOW:
-                            break
-                        continue
-                    blocked.append(seq)
-                    if len(blocked) == 1 and (seq is reserved or not fr.may_backfill_past(
-                            seq.blocked_ticks, self.aging_ticks, self.policy.backfill)):
-                        easy = (self._easy_shadow(live, admitted, grants, need + headroom)
-                                if self.easy_backfill else None)
-                        easy_headroom = headroom
-                        if easy is None:
-                            break  # no backfill, or the reservation: nothing passes it
-                        continue
-                    if len(blocked) + passed > BACKFILL_WINDOW:
-                        break
-                    continue
-                if easy is not None:  # EASY: past the head only what cannot delay it
-                    profile, shadow = easy
-                    pre_iters, iters = self._worst_case_iterations(seq)
-                    done = iters <= shadow.iteration  # finished by the head's shadow iteration
-                    passes = (
-                        not self._easy_over_served(seq, resident + len(admitted), admitted)
-                        and profile.admits(seq.num_tokens, pre_iters, iters, need, shadow)
-                        # still resident at the shadow: the head's headroom there must not grow past what it counted
-                        and (done or not easy_headroom or fr.growth_headroom_blocks(
-                            profile.rows_after(shadow.iteration) + 1, B) <= easy_headroom)
-                        # past the reservation holder: done by its shadow, shorter than the longest resident
-                        and (blocked[0] is not reserved
-                             or (done and fr.may_pass_reservation(iters, profile.max_iters))))
-                    if not passes:
-                        if trial:
-                            continue
-                        passed += 1
-                        if len(blocked) + passed > BACKFILL_WINDOW:
-                            break
-                        continue
-                    profile.add(seq.num_tokens, pre_iters, iters, need)
-                n = rules.chunk_tokens(seq.num_tokens, 0, chunk, budget)
-                grants[seq] = (n, need)
-                admitted.append(seq)
-                free -= need
-                budget -= n
-                if not seq.req.generated:
-                    pending.append(seq)
-        d = PlanDraft(live=live, order=order, admitted=admitted, grants=grants, preempted=preempted,
-                      free_blocks=free, budget_tokens=budget, blocked=blocked, stop=stop, pending=pending)
-        if self.isolation is not None:
-            d.aging_due = bool(blocked) and fr.reserved_after(blocked[0].blocked_ticks + 1, self.aging_ticks)
+        d = schedule_running(self)  # 1. running requests: grow, or preempt by recompute
+        admit_waiting(self, d)  # 2. waiting requests: order, fit, backfill, reservation
+        if self.isolation is not None:  # 3. TTFT isolation and the iteration target
+            d.aging_due = bool(d.blocked) and fr.reserved_after(d.blocked[0].blocked_ticks + 1, self.aging_ticks)
             self.isolation.refine(d, self)
-        g = d.grants
-        decode = _DECODE_GRANT
-        # a decode's entry is the same every tick: built once, at admission (_admit)
-        entries = [(s.decode_entry or ScheduledSeq(s, 1, 0, False)) if g[s] is decode
-                   else ScheduledSeq(s, g[s][0], g[s][1], False) for s in d.order]
-        entries += [ScheduledSeq(s, g[s][0], g[s][1], True) for s in d.admitted]
-        batch = tuple(entries)
-        return SchedulePlan(batch=batch, preempted=tuple(d.preempted),
-                            num_batched_tokens=self.token_budget_tokens - d.budget_tokens,  # what the grants spent
-                            free_blocks_after=d.free_blocks, admission_stop=d.stop, sat_out=tuple(d.sat_out),
-                            blocked=_first_not_in(d.blocked, d.admitted), reserve=d.reserve,
-                            isolated=d.isolated, protected_updates=d.protected_updates, trimmed=d.trimmed)
+        return d.freeze(self.token_budget_tokens)  # 4. the plan
 
     def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
         """Before ``forward``: free the victims' blocks and grant the plan's blocks.
@@ -1010,43 +730,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ helpers
 
-    def _worst_case_iterations(self, seq: _Seq) -> tuple[int, int]:
-        """``backfill.worst_case_iterations`` for ``seq``: (prefill chunks, iterations) it may still need."""
-        return worst_case_iterations(seq.num_tokens, seq.num_computed_tokens,
-                                     seq.num_prompt_tokens, len(seq.req.generated), seq.req.max_tokens,
-                                     self.max_model_len_tokens,
-                                     min(self.prefill_chunk_tokens, self.token_budget_tokens))
-
-    def _easy_over_served(self, seq: _Seq, resident: int, admitted: list[_Seq]) -> bool:
-        """Whether admitting ``seq`` would leave its user above its weighted fair share of the
-        ``resident + 1`` requests of the batch (``spec.fairness_rules.over_served``; ``admitted``:
-        this plan's admissions so far). EASY does not pass the head with such a request: out of
-        counter order it would widen the service gap (``docs/fairness.md``, section 3)."""
-        u, weight_of = seq.user_id, self._weight_of
-        count = self._resident_by_user.get(u, 0) + 1 + sum(1 for q in admitted if q.user_id == u)
-        users = set(self._resident_by_user) | {q.user_id for q in admitted}
-        total_w = self._resident_weight + sum(weight_of(v) for v in users - set(self._resident_by_user))
-        if u not in users:
-            total_w += weight_of(u)
-        return bool(fr.over_served(count, weight_of(u), resident + 1, total_w))
-
     def _easy_shadow(self, live: list[_Seq], admitted: list[_Seq], grants: dict[_Seq, Sequence[int]],
                      need_blocks: int) -> tuple[WorstCaseProfile, Shadow] | None:
-        """The worst-case profile of this plan's resident requests (``live`` with their growth
-        this tick, and ``admitted``) and the shadow of a head needing ``need_blocks``; ``None``
-        when it never fits or when the token budget may bind (``backfill.budget_never_binds``)."""
-        if not budget_never_binds(self.token_budget_tokens, self.kv_cap_blocks, self.block_tokens,
-                                  self.max_running, self.prefill_chunk_tokens):
-            return None
-        profile = WorstCaseProfile(self.kv_cap_blocks, self.block_tokens)
-        for s in live:
-            g = grants.get(s)
-            held = len(s.block_table) + (g[1] if g is not None else 0)
-            profile.add(s.num_tokens, *self._worst_case_iterations(s), held)
-        for s in admitted:
-            profile.add(s.num_tokens, *self._worst_case_iterations(s), grants[s][1])
-        shadow = profile.shadow(need_blocks)
-        return None if shadow is None else (profile, shadow)
+        """``admission.easy_shadow`` (a method so that a subclass or a test can observe it)."""
+        return easy_shadow(self, live, admitted, grants, need_blocks)
 
     def _admission_blocks(self, seq: _Seq) -> int:
         """KV blocks reserved when ``seq`` is admitted: its tokens plus the lookahead slot, or

@@ -74,8 +74,8 @@ def model_accepts(req, cap_blocks, block_tokens, live):
         return False
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < VOCAB for t in p):
         return False
-    if not isinstance(req.generated, list) or req.generated:
-        return False
+    # a request not in flight starts afresh: any `generated` (a finished run's tokens, not a list)
+    # is replaced by a new empty list at submit (issue 15), so it never makes a request invalid
     if math.ceil((len(p) + 1) / block_tokens) > cap_blocks:
         return False
     if any(r is req for r in live):  # the same object; a repeated request_id is accepted

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
+from batch.core.plan import PlanDraft
 from spec import fairness_rules as fr
 from spec import rules
 from spec.lifecycle import WAITING_STATES
@@ -168,59 +168,6 @@ def _solve3(m: list[list[float]], v: Sequence[float]) -> tuple[float, float, flo
         if a[c][c] != 0.0:
             x[c] = (a[c][3] - sum(a[c][j] * x[j] for j in range(c + 1, 3))) / a[c][c]
     return x[0], x[1], x[2]
-
-
-@dataclass(slots=True, eq=False)
-class PlanDraft:
-    """The scheduler's plan while it is being built (``Scheduler.schedule``); mutable.
-
-    Attributes:
-        live: resident requests not preempted, admission order.
-        order: resident requests scheduled this iteration.
-        admitted: waiting requests admitted this iteration.
-        grants: request -> ``(num_new_tokens, new_blocks)`` for ``order`` and ``admitted`` (a
-            tuple or list; read it, never change it in place: decodes share one tuple).
-        preempted: requests preempted by recompute before this iteration.
-        free_blocks: free blocks once the plan is applied.
-        budget_tokens: token budget left.
-        blocked: waiting candidates that did not fit, in the order tried.
-        stop: why admission stopped.
-        pending: scheduled requests with no output token yet (prefilling toward the first token).
-        aging_due: ``blocked[0]`` reaches the aging bound with this iteration: room is made
-            for no one else (its reservation comes first).
-        sat_out: resident requests that sit out this iteration (output).
-        reserve: a request that gets the reservation after this iteration (output).
-        isolated: whether over-served requests sit out (output).
-        trimmed: whether they sit out to meet the iteration target (output; never with ``isolated``).
-        protected_updates: user -> protected, the hysteresis states to commit (output).
-    """
-
-    live: list[Any]
-    order: list[Any]
-    admitted: list[Any]
-    grants: dict[Any, Sequence[int]]
-    preempted: list[Any]
-    free_blocks: int
-    budget_tokens: int
-    blocked: list[Any]
-    stop: str
-    pending: list[Any]
-    aging_due: bool = False
-    sat_out: list[Any] = field(default_factory=list)
-    reserve: Any = None
-    isolated: bool = False
-    trimmed: bool = False
-    protected_updates: dict[str, bool] = field(default_factory=dict)
-
-    def drop(self, seqs: list[Any]) -> None:
-        """Take ``seqs`` out of this iteration (sit out / defer): their grants go back."""
-        gone = set(seqs)
-        for q in seqs:
-            n, blocks = self.grants.pop(q)
-            self.free_blocks += blocks
-            self.budget_tokens += n
-        self.order = [q for q in self.order if q not in gone]
-        self.admitted = [q for q in self.admitted if q not in gone]
 
 
 class Isolation:
