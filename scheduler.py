@@ -18,7 +18,6 @@ the z3 proofs check.
 from __future__ import annotations
 
 import collections
-import numbers
 import sys
 import threading
 import time
@@ -34,6 +33,9 @@ from batch.core.metrics import MetricsRecorder
 from batch.core.plan import ScheduledSeq, SchedulePlan
 from batch.core.plan import Seq as _Seq
 from batch.core.running import schedule_running
+from batch.core.validation import (BackendError, DuplicateRequestError, InvalidRequestError,  # noqa: F401 (exported)
+                                   PromptTooLongError, RequestError, check_knobs, check_tokens, is_int, positive,
+                                   validate_request)
 from batch.policies.policy import Policy, VTCPolicy
 from inference_stub import Request
 from spec import fairness_rules as fr
@@ -61,7 +63,6 @@ AGING_TICKS = 32
 #: The one shared lifecycle machine; records are never registered with it.
 MACHINE = lc.new_machine()
 _EVENTS = MACHINE.events
-_INT_TYPE = frozenset({int})
 
 
 def wall_clock() -> float:
@@ -76,38 +77,6 @@ def forward(batch: list[Request]) -> list[int]:
     A harness may wrap either this name or ``inference_stub.forward``; both see every batch.
     """
     return inference_stub.forward(batch)
-
-
-# ---------------------------------------------------------------- errors
-
-
-class RequestError(ValueError):
-    """A request was refused at ``submit``; the scheduler's state is unchanged."""
-
-
-class InvalidRequestError(RequestError):
-    """A field of the request is malformed (the message names the field and the rule)."""
-
-
-class PromptTooLongError(RequestError):
-    """The prompt (with its first output token's slot) needs more KV blocks than the cap."""
-
-
-class DuplicateRequestError(RequestError):
-    """The same ``Request`` object, or a non-empty ``request_id``, is already in flight."""
-
-
-class BackendError(RuntimeError):
-    """``forward`` failed or answered malformed output; the tick was not applied.
-
-    Attributes:
-        request_ids: the ids of the batch that was passed to ``forward``.
-    """
-
-    def __init__(self, message: str, request_ids: list[str]) -> None:
-        super().__init__(f"{message} (batch of {len(request_ids)}: {request_ids[:8]}"
-                         f"{' ...' if len(request_ids) > 8 else ''})")
-        self.request_ids = request_ids
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -199,28 +168,28 @@ class Scheduler:
         easy_backfill: bool | None = None,
     ) -> None:
         stub = inference_stub
-        self.kv_cap_blocks = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
+        self.kv_cap_blocks = positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
                                        if kv_cap_blocks is None else kv_cap_blocks)
-        self.block_tokens = _positive("block_tokens", getattr(stub, "KV_BLOCK_TOKENS", 16)
+        self.block_tokens = positive("block_tokens", getattr(stub, "KV_BLOCK_TOKENS", 16)
                                       if block_tokens is None else block_tokens)
-        self.prefill_chunk_tokens = _positive("prefill_chunk_tokens", prefill_chunk_tokens)
+        self.prefill_chunk_tokens = positive("prefill_chunk_tokens", prefill_chunk_tokens)
         self.max_model_len_tokens = rules.max_model_len_tokens(self.kv_cap_blocks, self.block_tokens)
-        self.token_budget_tokens = _positive("token_budget_tokens", self.max_model_len_tokens
+        self.token_budget_tokens = positive("token_budget_tokens", self.max_model_len_tokens
                                              if token_budget_tokens is None else token_budget_tokens)
-        self.max_running = _positive("max_running", max_running)
+        self.max_running = positive("max_running", max_running)
         self.eos_token_id = getattr(stub, "EOS_TOKEN", 0) if eos_token_id is None else eos_token_id
-        if not _is_int(self.eos_token_id):  # a negative id never matches: requests end at max_tokens or length
+        if not is_int(self.eos_token_id):  # a negative id never matches: requests end at max_tokens or length
             raise ValueError(f"eos_token_id must be an int, got {self.eos_token_id!r}")
         self.eos_token_id = int(self.eos_token_id)  # np.int64 (a tokenizer's) as a plain int
         if vocab_size == -1:  # the backend's vocabulary, if it states one as a positive int
             vocab_size = getattr(backend, "vocab_size", None)
-            if not (_is_int(vocab_size) and vocab_size >= 1):
+            if not (is_int(vocab_size) and vocab_size >= 1):
                 vocab_size = None
         self.vocab_size = vocab_size
         if self.vocab_size is not None:
-            self.vocab_size = _positive("vocab_size", int(self.vocab_size) if _is_int(self.vocab_size)
+            self.vocab_size = positive("vocab_size", int(self.vocab_size) if is_int(self.vocab_size)
                                         else self.vocab_size)
-        _check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
+        check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
                      check_invariants=check_invariants, admission_headroom=admission_headroom,
                      easy_backfill=easy_backfill)
         self.clock: Callable[[], float] = clock or wall_clock
@@ -231,7 +200,7 @@ class Scheduler:
         elif isinstance(max_preemptions, bool) or not isinstance(max_preemptions, int) or max_preemptions < 0:
             raise ValueError(f"max_preemptions must be an int >= 0 or None, got {max_preemptions!r}")
         self.max_preemptions = max_preemptions
-        self.aging_ticks = _positive("aging_ticks", aging_ticks)
+        self.aging_ticks = positive("aging_ticks", aging_ticks)
         if isolation is None:
             isolation = bool(getattr(self.policy, "isolation", False))
         self.isolation: Isolation | None = (isolation if isinstance(isolation, Isolation)
@@ -256,7 +225,7 @@ class Scheduler:
         self.stats = MetricsRecorder(record_itl=record_itl)
         on = CHECK_INVARIANTS if check_invariants is None else check_invariants
         self._checker: InvariantChecker | None = InvariantChecker() if on else None
-        self.max_backend_tries = None if max_backend_tries is None else _positive("max_backend_tries",
+        self.max_backend_tries = None if max_backend_tries is None else positive("max_backend_tries",
                                                                                   max_backend_tries)
         self._backend_failures = 0  # consecutive failed ticks (the retry policy's count)
         self._inflight: tuple[SchedulePlan, int] | None = None  # (plan, ticking thread) while forward runs
@@ -803,48 +772,10 @@ class Scheduler:
                 self._by_id[rid] = cur[0]
 
     def _validate(self, request: Any) -> int:
-        """Check a request at submit; return its prompt length in tokens."""
-        if not isinstance(request, Request) and not all(
-                hasattr(request, a) for a in ("user_id", "prompt", "max_tokens", "request_id", "generated")):
-            raise InvalidRequestError(f"expected an inference_stub.Request, got {type(request).__name__}")
-        if not isinstance(request.user_id, str) or not request.user_id:
-            raise InvalidRequestError(f"user_id must be a non-empty str, got {request.user_id!r}")
-        if not isinstance(request.request_id, str):
-            raise InvalidRequestError(f"request_id must be a str, got {type(request.request_id).__name__}")
-        if id(request) in self._by_obj:  # before field checks: an in-flight object has tokens
-            raise DuplicateRequestError(f"this Request object (request_id={request.request_id!r}) is already in flight")
-        mt = request.max_tokens
-        if not _is_int(mt) or mt < 1:
-            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {mt!r}")
-        prompt = request.prompt
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise InvalidRequestError("prompt must be a non-empty list of token ids")
-        n = len(prompt)  # the length first: a huge prompt is refused without reading its tokens
-        if not rules.prompt_fits(n, self.kv_cap_blocks, self.block_tokens):
-            raise PromptTooLongError(
-                f"prompt of {n} tokens needs {rules.blocks_needed(n, self.block_tokens)} KV blocks of "
-                f"{self.block_tokens} tokens with its first output token, but the cache holds "
-                f"{self.kv_cap_blocks} blocks (prompt must be < {self.max_model_len_tokens} tokens)")
-        hi = self.vocab_size
-        for t in prompt:
-            if (type(t) is not int and not _is_int(t)) or t < 0 or (hi is not None and t >= hi):
-                raise InvalidRequestError(
-                    f"prompt token ids must be ints {'>= 0' if hi is None else f'in 0..{hi - 1}'}, got {t!r}")
-        if type(mt) is not int:  # np.int64 and the like: a plain int from here on (same value)
-            request.max_tokens = int(mt)
-        return n
+        """Check a request at submit (``validation.validate_request``); return its prompt length."""
+        return validate_request(self, request)
 
-    @staticmethod
-    def _check_tokens(tokens: Any, batch: list[Request]) -> None:
-        if not isinstance(tokens, (list, tuple)) or len(tokens) != len(batch):
-            n = len(tokens) if isinstance(tokens, (list, tuple)) else type(tokens).__name__
-            raise BackendError(f"forward returned {n} tokens for a batch of {len(batch)}",
-                               [r.request_id for r in batch])
-        if set(map(type, tokens)) <= _INT_TYPE:  # the common case, checked at C speed
-            return
-        for t in tokens:
-            if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral)):
-                raise BackendError(f"forward returned a non-int token {t!r}", [r.request_id for r in batch])
+    _check_tokens = staticmethod(check_tokens)
 
     # ------------------------------------------------------------ introspection
 
@@ -881,42 +812,3 @@ def _unit_weight(user: str) -> int:
 def _in_plan(seq: _Seq, plan: SchedulePlan) -> bool:
     """Whether ``seq`` takes part in ``plan`` (in its batch or among its preempted)."""
     return any(s.seq is seq for s in plan.batch) or any(p is seq for p in plan.preempted)
-
-
-#: What ``schedule()`` and ``submit`` call on a policy (``policy.Policy``).
-_POLICY_METHODS = ("__len__", "add", "requeue", "remove", "admission_order", "on_service", "choose_victim")
-
-
-def _check_knobs(*, clock: Any, backend: Any, policy: Any, isolation: Any, record_itl: Any, check_invariants: Any,
-                 admission_headroom: Any, easy_backfill: Any) -> None:
-    """Refuse, at construction, a knob that would fail later inside ``submit`` or ``tick``.
-
-    Raises:
-        ValueError: naming the knob.
-    """
-    if clock is not None and not callable(clock):
-        raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
-    if backend is not None and not callable(backend) and not callable(getattr(backend, "execute_model", None)):
-        raise ValueError(f"backend must be forward(batch) -> tokens or have execute_model, got {backend!r}")
-    if policy is not None and not all(hasattr(policy, m) for m in _POLICY_METHODS + ("backfill",)):
-        raise ValueError(f"policy must implement policy.Policy ({', '.join(_POLICY_METHODS)}, backfill), "
-                         f"got {policy!r}")
-    if isolation is not None and not isinstance(isolation, (bool, Isolation)):
-        raise ValueError(f"isolation must be None, a bool or an isolation.Isolation, got {isolation!r}")
-    for name, v, none_ok in (("record_itl", record_itl, False), ("check_invariants", check_invariants, True),
-                             ("admission_headroom", admission_headroom, True),
-                             ("easy_backfill", easy_backfill, True)):
-        if not isinstance(v, bool) and not (none_ok and v is None):
-            raise ValueError(f"{name} must be a bool{' or None' if none_ok else ''}, got {v!r}")
-
-
-def _is_int(v: Any) -> bool:
-    """An integer token id or length: an ``int`` or another ``numbers.Integral`` (``np.int64``), never a bool."""
-    return type(v) is int or (not isinstance(v, bool) and isinstance(v, numbers.Integral))
-
-
-def _positive(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return v
-

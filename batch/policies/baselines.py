@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import scheduler as _scheduler_module
+from batch.core.validation import positive as _positive
 from batch.policies.policy import FCFSPolicy, RoundRobinPolicy
 from inference_stub import Request
-from scheduler import Scheduler, _positive
+from scheduler import Scheduler
 from spec import rules
 
 __all__ = ["ReservationScheduler", "StaticBatchScheduler", "RoundRobinPolicy", "fcfs_recompute",
