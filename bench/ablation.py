@@ -1,0 +1,771 @@
+#!/usr/bin/env python3
+"""What each mechanism of the default scheduler buys: the default with one mechanism off at a time.
+
+``Scheduler()`` is ``VTCPolicy()`` plus eight mechanisms. For each, this runs the default with
+only that mechanism switched off, beside the full default and FCFS (``FCFSPolicy()``, vLLM V1's
+rule) as a reference, on the simulated clock (deterministic: seeded workloads and token
+streams), and measures what the mechanism is *for*:
+
+=================  ==========================================  =====================================
+mechanism          switched off by                              measured
+=================  ==========================================  =====================================
+vtc                ``VTCPolicy(tolerance_tokens=2**40)``:        four-user overload: largest service
+                   every backlogged user within the band, so     gap and Jain's index; weighted share
+                   admission is arrival order (nothing else      (weight 2 : 1, exact 2.00); B's TTFT
+                   changes)                                      ratio on the A/B burst
+isolation          ``isolation=False``                           B's median TTFT with A / alone over
+                                                                 the A/B seeds (from submit, from
+                                                                 arrival); light users' TTFT p99 in
+                                                                 a flood; the throughput it costs
+latency-model      ``Isolation(model=LatencyModel(               on a token-driven clock (8 ms +
+                   min_observations=10**9))``: the prior only    0.02 ms per batched token): isolated
+                   (cost proportional to requests)               iterations, throughput, B's ratio;
+                                                                 the same on the stub's clock
+headroom           ``admission_headroom=False``                  preemptions and throughput under KV
+                                                                 pressure
+easy               ``easy_backfill=False``                       throughput (and TTFT p99) where the
+                                                                 first waiting request does not fit
+drain              ``VTCPolicy(drain_longest_first=False)``      throughput, TTFT and TPOT p99 at the
+                                                                 end of a burst (A/B burst, 32 seeds)
+resume-first       ``VTCPolicy(resume_decodes_first=False)``     TPOT p99 under KV pressure (and over
+                                                                 8 seeds of the long requests)
+aging              ``aging_ticks=10**9`` (never comes due)       longest admission wait (ticks) of the
+                                                                 largest prompts, and of any request
+                                                                 in random small-cache cases
+preemption-cap     ``max_preemptions=None``                      most preemptions of one request, on
+                                                                 the workloads and in random
+                                                                 tiny-cache cases
+=================  ==========================================  =====================================
+
+A change is given paired by seed (mean, sd, seeds worse / better) where a single seed would not
+tell it from noise.
+
+Workloads: ``batch.sim.workloads`` (``make bench``'s saturating ones), the anchor traces of
+``bench/vllm_compare.py`` (replayed by its ``run_batch``), the A/B burst of
+``bench/target_sweep.py`` (``ab_trace``, B's ratio by ``vllm_compare.ab_ratios``), and the overload,
+flood and weighted runs of ``bench/bench_fairness.py`` / ``bench/tolerance_sweep.py``.
+
+Prints one markdown table, a row per mechanism (the figure with it, without it, FCFS's), then the
+matrix of every variant on the common workloads. ``--json`` prints everything as one JSON object
+instead. About 4 minutes of CPU on one core (235-258 s on 2026-12-01); ``--quick`` is a small
+run (seconds), what ``tests/test_ablation.py`` runs.
+
+Usage, from the project root::
+
+    python bench/ablation.py [--quick] [--seeds 10] [--only easy,aging] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime as _dt
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+import bench  # noqa: E402  (bench/bench.py)
+import bench_fairness as bf  # noqa: E402
+import target_sweep as ts  # noqa: E402
+import vllm_compare as vc  # noqa: E402
+from batch.core.isolation import Isolation  # noqa: E402
+from batch.core.latency import LatencyModel  # noqa: E402
+from batch.policies.policy import FCFSPolicy, VTCPolicy  # noqa: E402
+from batch.sim import simulate, workloads  # noqa: E402
+from inference_stub import Request  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+
+#: A tolerance no counter gap reaches: every backlogged user is eligible, admission is arrival order.
+NO_ORDER_TOLERANCE = 2 ** 40
+#: An aging bound no request reaches.
+NEVER_TICKS = 10 ** 9
+#: The token-driven clock of the latency-model row (a real GPU's regime, ``tests/test_fairness.py``).
+TOKEN_BASE_S = 0.008
+TOKEN_PER_TOKEN_S = 0.00002
+#: The overload's weighted run: user ``short`` at weight 2.
+WEIGHTS = {"short": 2}
+#: The share of the largest prompts whose admission wait the aging row reports.
+LARGEST_SHARE = 0.05
+
+
+# ----------------------------------------------------------------------------- the variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A scheduler configuration: the default with one mechanism off (or FCFS, or the default).
+
+    Attributes:
+        key: short name (``--only``).
+        name: the mechanism's name in the table.
+        off: how it is switched off (the knob, as code).
+        for_: what the mechanism is for.
+        kwargs: builds ``Scheduler`` keyword arguments, given the user weights (fresh objects per call).
+    """
+
+    key: str
+    name: str
+    off: str
+    for_: str
+    kwargs: Callable[[dict | None], dict] = field(repr=False)
+
+    def factory(self, weights: dict | None = None, cls: type = Scheduler) -> Callable[..., Scheduler]:
+        """A ``make_scheduler`` for ``simulate.run_workload`` / a ``factory`` for ``vc.run_batch``."""
+        return lambda **kw: cls(**self.kwargs(weights), **kw)
+
+
+def _vtc(**flags: Any) -> Callable[[dict | None], dict]:
+    return lambda w: {"policy": VTCPolicy(weights=w, **flags)}
+
+
+DEFAULT = Variant("default", "default", "Scheduler()", "", lambda w: {"policy": VTCPolicy(weights=w)} if w else {})
+FCFS = Variant("fcfs", "FCFS", "Scheduler(policy=FCFSPolicy())", "", lambda w: {"policy": FCFSPolicy()})
+MECHANISMS: tuple[Variant, ...] = (
+    Variant("vtc", "VTC order", f"VTCPolicy(tolerance_tokens=2**40): arrival order",
+            "equal (weighted) service for backlogged users", _vtc(tolerance_tokens=NO_ORDER_TOLERANCE)),
+    Variant("isolation", "TTFT isolation", "isolation=False",
+            "a light user's TTFT beside a heavy user", lambda w: {**_vtc()(w), "isolation": False}),
+    Variant("latency-model", "learned latency model", "Isolation(model=LatencyModel(min_observations=10**9)): the prior",
+            "isolating only when the iteration gets faster",
+            lambda w: {**_vtc()(w), "isolation": Isolation(model=LatencyModel(min_observations=NEVER_TICKS))}),
+    Variant("headroom", "admission headroom", "admission_headroom=False",
+            "fewer preemptions under KV pressure", lambda w: {**_vtc()(w), "admission_headroom": False}),
+    Variant("easy", "EASY backfilling", "easy_backfill=False",
+            "throughput when the first waiting request does not fit", lambda w: {**_vtc()(w), "easy_backfill": False}),
+    Variant("drain", "drain phase", "VTCPolicy(drain_longest_first=False)",
+            "throughput at the end of a burst", _vtc(drain_longest_first=False)),
+    Variant("resume-first", "preempted decodes resume first", "VTCPolicy(resume_decodes_first=False)",
+            "TPOT p99 under KV pressure", _vtc(resume_decodes_first=False)),
+    Variant("aging", "aging with a reservation", "aging_ticks=10**9",
+            "a bounded wait for a request that does not fit", lambda w: {**_vtc()(w), "aging_ticks": NEVER_TICKS}),
+    Variant("preemption-cap", "preemption cap", "max_preemptions=None",
+            "bounded preemptions of one request", lambda w: {**_vtc()(w), "max_preemptions": None}),
+)
+VARIANTS = {v.key: v for v in (DEFAULT, FCFS, *MECHANISMS)}
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one ablation run measures (``full()``: the documented run; ``quick()``: seconds)."""
+
+    seeds: int = 10  # A/B burst seeds (target_sweep.ab_trace), for isolation, the model, VTC
+    workloads: tuple[str, ...] = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
+    anchors: tuple[str, ...] = vc.ORDER[:3]  # the balanced anchor traces (vllm_compare.run_batch)
+    burst_seeds: int = 32  # workloads.ab_burst seeds (the drain phase)
+    long_seeds: int = 8  # workloads.long_requests seeds (resume-first, aging)
+    overload_per_user: int = 400
+    flood: int = 1000
+    cap_cases: int = 100
+    wait_cases: int = 100
+    longs_seeds: int = 2
+    longs_shorts: int = 3000
+    quick_workloads: bool = False  # the workloads from workloads.QUICK_WORKLOADS
+
+    @classmethod
+    def full(cls, seeds: int = 10) -> "Config":
+        return cls(seeds=seeds)
+
+    @classmethod
+    def quick(cls) -> "Config":
+        """One seed, the small workloads, one short anchor trace: what the test runs."""
+        return cls(seeds=1, workloads=("long-kv",), anchors=(vc.AB_TRACE,), burst_seeds=1,
+                   long_seeds=1, overload_per_user=40, flood=100, cap_cases=3, wait_cases=3, longs_seeds=1,
+                   longs_shorts=100,
+                   quick_workloads=True)
+
+
+# ----------------------------------------------------------------------------- a recording scheduler
+
+
+class _Recorder(Scheduler):
+    """``Scheduler`` that records, per request, its preemptions and the ticks from submit to
+    first admission, and counts the ticks in which the aging reservation is held."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.n_ticks = 0
+        self.submit_tick: dict[str, int] = {}
+        self.admit_tick: dict[str, int] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        self.preempted: collections.Counter = collections.Counter()
+        self.reserved_ticks = 0
+        self.plan_tokens = 0  # the last plan's batched tokens (the token-driven clock reads it)
+
+    def submit(self, request: Request) -> None:
+        super().submit(request)
+        self.submit_tick.setdefault(request.request_id, self.n_ticks)
+        self.prompt_tokens[request.request_id] = len(request.prompt)
+
+    def schedule(self):  # noqa: ANN201
+        plan = super().schedule()
+        self.plan_tokens = plan.num_batched_tokens
+        return plan
+
+    def update_from_output(self, plan, tokens, **kw):  # noqa: ANN001, ANN201
+        for entry in reversed(plan.batch):  # the admitted entries come last
+            if not entry.admitted:
+                break
+            self.admit_tick.setdefault(entry.seq.request_id, self.n_ticks)
+        for q in plan.preempted:
+            self.preempted[q.request_id] += 1
+        out = super().update_from_output(plan, tokens, **kw)
+        if getattr(self, "_reserved", None) is not None:
+            self.reserved_ticks += 1
+        self.n_ticks += 1
+        return out
+
+    def waits(self) -> dict[str, int]:
+        """Ticks from submit to first admission, per request."""
+        return {rid: t - self.submit_tick[rid] for rid, t in self.admit_tick.items()}
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return vc.percentile(list(xs), q)
+
+
+def _workload(name: str, quick: bool) -> workloads.Workload:
+    pool = workloads.QUICK_WORKLOADS if quick else workloads.WORKLOADS
+    return next(w for w in pool if w.name == name)
+
+
+def run_requests(v: Variant, reqs: list[Request], *, kv_cap_blocks: int = 256, eos_probability: float = 0.0,
+                 weights: dict | None = None) -> dict:
+    """One replay through ``simulate.run_workload`` (stub clock, token seed ``bench.GPU_SEED``)."""
+    res = simulate.run_workload(reqs, make_scheduler=v.factory(weights, _Recorder), gpu_seed=bench.GPU_SEED,
+                                eos_probability=eos_probability, kv_cap_blocks=kv_cap_blocks, record_itl=False)
+    s: _Recorder = res.scheduler
+    m = s.metrics()
+    waits = s.waits()
+    by_size = sorted(waits, key=lambda rid: -s.prompt_tokens[rid])
+    largest = by_size[:max(1, math.ceil(LARGEST_SHARE * len(by_size)))]
+    return {"throughput_tok_s": m["throughput_tokens_per_sec"], "ttft_p99_s": m["ttft_p99_s"],
+            "tpot_p99_s": m["tpot_p99_s"], "preemptions": m["preemptions"],
+            "max_preemptions_one_request": max(s.preempted.values(), default=0),
+            "max_wait_ticks": max(waits.values(), default=0),
+            "largest_prompts_max_wait_ticks": max((waits[r] for r in largest), default=0),
+            "reserved_ticks": s.reserved_ticks,
+            "isolated_ticks": s.isolation.isolated_ticks if s.isolation is not None else 0,
+            "ticks": s.n_ticks, "sim_s": res.sim_s}
+
+
+class Lab:
+    """Every measurement, computed on first use and kept (so rows share the default's runs)."""
+
+    def __init__(self, cfg: Config, traces: Path, log: Callable[[str], None] = lambda s: None) -> None:
+        self.cfg = cfg
+        self.traces = traces
+        self.log = log
+        self._memo: dict[tuple, Any] = {}
+
+    def _get(self, key: tuple, fn: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            t = time.process_time()
+            self._memo[key] = fn()
+            self.log(f"  {key[0]:>10} {key[1]:<15} {' '.join(map(str, key[2:]))[:40]:<40} {time.process_time() - t:6.1f} s")
+        return self._memo[key]
+
+    # --- make bench's workloads (stub clock)
+    def workload(self, v: Variant, name: str) -> dict:
+        w = _workload(name, self.cfg.quick_workloads)
+        return self._get(("workload", v.key, name), lambda: run_requests(
+            v, w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability))
+
+    # --- the anchor traces (vllm_compare's driver: outputs end at their recorded length)
+    def anchor(self, v: Variant, name: str) -> dict | None:
+        path = self.traces / name
+        if not path.is_file():
+            return None
+
+        def go() -> dict:
+            s = vc.summarize(vc.run_batch(vc.load_requests(path), factory=v.factory(), name=v.key))
+            return {"throughput_tok_s": s.throughput_tok_s, "ttft_p99_s": s.ttft_p99_s, "tpot_p99_s": s.tpot_p99_s,
+                    "preemptions": s.preemptions}
+        return self._get(("anchor", v.key, name), go)
+
+    # --- seeds of a workload family, for the spread
+    def seeded(self, v: Variant, family: str) -> list[dict]:
+        def go() -> list[dict]:
+            out = []
+            for seed in range(self.cfg.burst_seeds if family == "ab-burst" else self.cfg.long_seeds):
+                if family == "ab-burst":
+                    reqs, eos = workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=seed), 0.02
+                else:  # long-kv
+                    reqs, eos = (workloads.long_requests(n=8 if self.cfg.quick_workloads else 30, seed=seed), 0.0)
+                out.append(run_requests(v, reqs, eos_probability=eos))
+            return out
+        return self._get(("seeded", v.key, family), go)
+
+    # --- the A/B burst (target_sweep.ab_trace) on the stub's clock: B's ratios
+    def ab(self, v: Variant) -> dict:
+        def go() -> dict:
+            fac = v.factory()
+            run = lambda reqs, **kw: vc.run_batch(reqs, factory=fac, name=v.key, **kw)  # noqa: E731
+            sub, arr, thr, pre = [], [], [], []
+            for seed in range(self.cfg.seeds):
+                reqs = ts.ab_trace(seed)
+                with_a = run(reqs)
+                r = vc.ab_ratios(run, reqs, timed_with=with_a)
+                sub.append(r.ratio("from submit"))
+                arr.append(r.ratio("from arrival"))
+                s = vc.summarize(with_a)
+                thr.append(s.throughput_tok_s)
+                pre.append(s.preemptions)
+            return {"submit_median": statistics.median(sub), "submit_worst": max(sub),
+                    "arrival_median": statistics.median(arr), "arrival_worst": max(arr),
+                    "throughput_tok_s": statistics.mean(thr), "preemptions": statistics.mean(pre)}
+        return self._get(("ab", v.key), go)
+
+    # --- the A/B burst on a token-driven clock (8 ms + 0.02 ms per batched token)
+    def ab_tokens(self, v: Variant) -> dict:
+        def run(reqs: list[vc.TraceRequest]) -> tuple[list[Request], _Recorder]:
+            objs = [Request(user_id=r.user, prompt=[1] * r.prompt_tokens, max_tokens=r.output_tokens,
+                            request_id=r.rid, submitted_at=r.arrival_s) for r in reqs]
+            inner = v.factory(None, _Recorder)
+
+            def make(*, clock: Callable[[], float], backend: Callable, **kw: Any) -> Scheduler:
+                gpu_clock = backend.__self__.clock  # the SimulatedGPU's VirtualClock (its own costs are 0)
+                holder: dict[str, _Recorder] = {}
+
+                def forward(batch: list[Request]) -> list[int]:
+                    gpu_clock.advance(TOKEN_BASE_S + TOKEN_PER_TOKEN_S * holder["s"].plan_tokens)
+                    return backend(batch)
+
+                holder["s"] = inner(clock=clock, backend=forward, **kw)
+                return holder["s"]
+
+            res = simulate.run_workload(objs, make_scheduler=make, gpu_seed=None, base_s=0.0, per_request_s=0.0,
+                                        eos_probability=0.0, record_itl=False)
+            return res.finished, res.scheduler
+
+        def go() -> dict:
+            ratios, thr, iso = [], [], []
+            for seed in range(self.cfg.seeds):
+                reqs = ts.ab_trace(seed)
+                fin, s = run(reqs)
+                alone, _ = run(vc.without_user(reqs, "A"))
+                ratios.append(bf.median_ttft(fin, "B") / bf.median_ttft(alone, "B"))
+                t0 = min(r.arrival_s for r in reqs)
+                thr.append(sum(len(r.generated) for r in fin) / (max(r.completed_at for r in fin) - t0))
+                iso.append(s.isolation.isolated_ticks if s.isolation is not None else 0)
+            return {"ratio_median": statistics.median(ratios), "ratio_worst": max(ratios),
+                    "throughput_tok_s": statistics.mean(thr), "isolated_ticks": statistics.mean(iso),
+                    "per_seed_throughput": thr}
+        return self._get(("ab_tokens", v.key), go)
+
+    # --- the four-user overload (bench_fairness.overload), unweighted and weighted
+    def overload(self, v: Variant) -> dict:
+        def go() -> dict:
+            res = simulate.run_workload(bf.overload(0, n_per_user=self.cfg.overload_per_user), record_itl=False,
+                                        make_scheduler=v.factory(None, bf.RecordingScheduler))
+            trace = res.scheduler.trace
+            m = res.scheduler.metrics()
+            wres = simulate.run_workload(
+                bf.overload(0, n_per_user=self.cfg.overload_per_user), record_itl=False,
+                make_scheduler=lambda **k: bf.RecordingScheduler(weights=WEIGHTS, **v.kwargs(WEIGHTS), **k))
+            acc = bf.raw_service_while_backlogged(wres.scheduler.trace, bf.OVERLOAD_USERS, WEIGHTS)
+            others = [acc[u] for u in bf.OVERLOAD_USERS if u != "short"]
+            return {"jain": bf.jain_while_all_backlogged(trace, list(bf.OVERLOAD_USERS)),
+                    "max_gap": bf.max_service_gap(trace), "throughput_tok_s": m["throughput_tokens_per_sec"],
+                    "preemptions": m["preemptions"], "weighted_share": acc["short"] / (sum(others) / len(others))}
+        return self._get(("overload", v.key), go)
+
+    # --- the flood (bench_fairness.flood): light users' TTFT beside a 1000s-request backlog
+    def flood(self, v: Variant) -> dict:
+        def go() -> dict:
+            res = simulate.run_workload(bf.flood(0, n_flood=self.cfg.flood), make_scheduler=v.factory(),
+                                        record_itl=False)
+            light = [r.started_at - r.submitted_at for r in res.finished if r.user_id != "A"]
+            return {"light_ttft_p99_s": _pct(light, 99), "light_ttft_p50_s": _pct(light, 50),
+                    "throughput_tok_s": res.scheduler.metrics()["throughput_tokens_per_sec"]}
+        return self._get(("flood", v.key), go)
+
+    # --- long requests amid a saturating stream of short ones (aging)
+    def longs(self, v: Variant) -> dict:
+        def go() -> dict:
+            worst, mean = [], []
+            for seed in range(self.cfg.longs_seeds):
+                r = simulate.run_workload(longs_amid_shorts(seed, n_short=self.cfg.longs_shorts),
+                                          make_scheduler=v.factory(None, _Recorder), gpu_seed=bench.GPU_SEED,
+                                          record_itl=False)
+                w = [t for rid, t in r.scheduler.waits().items() if rid.startswith("L")]
+                worst.append(max(w))
+                mean.append(statistics.mean(w))
+            return {"long_max_wait_ticks": max(worst), "long_mean_wait_ticks": statistics.mean(mean)}
+        return self._get(("longs", v.key), go)
+
+    # --- random tiny-cache cases (the preemption cap)
+    def cap_cases(self, v: Variant) -> dict:
+        def go() -> dict:
+            most, total, over, span = 0, 0, 0, 0.0
+            for case in range(self.cfg.cap_cases):
+                kv, reqs = tiny_cache_case(case)
+                r = run_requests(v, reqs, kv_cap_blocks=kv)
+                most = max(most, r["max_preemptions_one_request"])
+                over += r["max_preemptions_one_request"] > 4
+                total += r["preemptions"]
+                span += r["sim_s"]
+            return {"max_preemptions_one_request": most, "cases_over_4": over, "preemptions": total,
+                    "makespan_s": span}
+        return self._get(("cap_cases", v.key), go)
+
+    # --- random small-cache cases with large prompts among small ones (aging)
+    def wait_cases(self, v: Variant) -> dict:
+        def go() -> dict:
+            worst = []
+            for case in range(self.cfg.wait_cases):
+                kv, reqs = starvation_case(case)
+                r = simulate.run_workload(reqs, make_scheduler=v.factory(None, _Recorder), gpu_seed=bench.GPU_SEED,
+                                          eos_probability=0.0, kv_cap_blocks=kv, record_itl=False, max_ticks=10 ** 6)
+                worst.append(max(r.scheduler.waits().values()))
+            return {"max_wait_ticks": max(worst), "per_case_max_wait_ticks": worst}
+        return self._get(("wait_cases", v.key), go)
+
+
+def longs_amid_shorts(seed: int, *, n_short: int = 3000, rate_per_s: float = 60.0, n_long: int = 10,
+                      every_s: float = 5.0) -> list[Request]:
+    """A saturating stream of short requests (``request_gen.stream`` lengths, 60/s, four users) and
+    ``n_long`` prompts of 1,500-3,000 tokens (94-188 blocks of the 256), one every ``every_s``."""
+    rng = random.Random(seed)
+
+    def req(rid: str, t: float, prompt: tuple[int, int], out: tuple[int, int]) -> Request:
+        return Request(user_id=f"u{rng.randint(1, 4)}", prompt=[1] * rng.randint(*prompt),
+                       max_tokens=rng.randint(*out), request_id=rid, submitted_at=t)
+
+    reqs, t = [], 0.0
+    for i in range(n_short):
+        t += rng.expovariate(rate_per_s)
+        reqs.append(req(f"s{i}", t, (5, 199), (10, 99)))
+    span = t
+    reqs += [req(f"L{j}", min(span, 1.0 + j * every_s), (1500, 3000), (10, 99)) for j in range(n_long)]
+    return reqs
+
+
+def starvation_case(case: int) -> tuple[int, list[Request]]:
+    """A random no-starvation case: 20-80 requests of 2-4 users arriving at 20, 50 or 100 per second
+    into a cache of 16, 32 or 64 blocks; one in ten has a prompt of half to nine tenths of the cache,
+    the others 5-60 tokens; outputs 5-60 tokens (no early EOS). Returns (cache blocks, requests)."""
+    rng = random.Random(case)
+    kv = rng.choice([16, 32, 64])
+    users = rng.randint(2, 4)
+    rate = rng.choice([20.0, 50.0, 100.0])
+    reqs, t = [], 0.0
+    for i in range(rng.randint(20, 80)):
+        t += rng.expovariate(rate)
+        big = rng.random() < 0.1
+        prompt = rng.randint(kv * 16 // 2, kv * 16 * 9 // 10) if big else rng.randint(5, 60)
+        reqs.append(Request(user_id=f"u{rng.randint(1, users)}", prompt=[1] * prompt, max_tokens=rng.randint(5, 60),
+                            request_id=f"r{i}", submitted_at=t))
+    return kv, reqs
+
+
+def tiny_cache_case(case: int) -> tuple[int, list[Request]]:
+    """A random KV-pressure case: 3-12 requests of 1-4 users in a cache of 8, 16 or 32 blocks, each
+    request growing to a large share of it (no early EOS). Returns (cache blocks, requests)."""
+    rng = random.Random(case)
+    kv = rng.choice([8, 16, 32])
+    users = rng.randint(1, 4)
+    reqs = [Request(user_id=f"u{rng.randint(1, users)}",
+                    prompt=[1] * rng.randint(1, kv * 16 * rng.choice([1, 3, 6]) // 10),
+                    max_tokens=rng.randint(10, kv * 16), request_id=f"r{i}",
+                    submitted_at=rng.choice([0.0, 0.0, rng.uniform(0, 0.5)])) for i in range(rng.randint(3, 12))]
+    return kv, reqs
+
+
+# ----------------------------------------------------------------------------- the rows
+
+
+@dataclass
+class Figure:
+    """One measured figure of a row: with the mechanism (the default), without it, FCFS's.
+    ``with_`` is NaN for a figure that only exists without it (a paired change)."""
+
+    label: str
+    with_: float
+    without: float
+    fcfs: float | None
+    fmt: str = "{:.2f}"
+
+    def cells(self) -> tuple[str, str, str, str]:
+        """(with, without, FCFS, change without it in percent)."""
+        def f(x: float | None) -> str:
+            return "-" if x is None or math.isnan(x) else self.fmt.format(x)
+        change = "-"
+        if not math.isnan(self.with_) and not math.isnan(self.without):
+            if self.with_ == self.without:
+                change = "0"
+            elif self.with_ != 0:
+                change = f"{100 * (self.without - self.with_) / abs(self.with_):+.1f}%"
+        return f(self.with_), f(self.without), f(self.fcfs), change
+
+    def finite(self) -> bool:
+        """Whether every number this figure has is finite (a paired change has no ``with_``)."""
+        xs = [self.without] + ([] if math.isnan(self.with_) else [self.with_]) + ([] if self.fcfs is None else [self.fcfs])
+        return all(math.isfinite(x) for x in xs)
+
+
+@dataclass
+class Row:
+    """One mechanism: what it is for and its figures."""
+
+    key: str
+    mechanism: str
+    off: str
+    for_: str
+    figures: list[Figure]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.mean(xs) if xs else math.nan
+
+
+def _sd(xs: Sequence[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else math.nan
+
+
+def row_figures(lab: Lab, v: Variant) -> list[Figure]:
+    """The figures that say what ``v``'s mechanism buys (see the module docstring)."""
+    cfg = lab.cfg
+    D, F = DEFAULT, FCFS
+    wl = cfg.workloads
+    figs: list[Figure] = []
+
+    def trio(label: str, get: Callable[[Variant], float], fmt: str = "{:.2f}", fcfs: bool = True) -> None:
+        figs.append(Figure(label, get(D), get(v), get(F) if fcfs else None, fmt))
+
+    def workload_trio(metric: str, label: str, names: Sequence[str], fmt: str, scale: float = 1.0) -> None:
+        for n in names:
+            if n in wl:
+                trio(f"{n}: {label}", lambda x, n=n: lab.workload(x, n)[metric] * scale, fmt)
+
+    def anchor_trio(metric: str, label: str, fmt: str, scale: float = 1.0) -> None:
+        for n in cfg.anchors:
+            if lab.anchor(D, n) is not None:
+                short = n.split("_")[0].removesuffix(".csv")
+                trio(f"anchor `{short}`: {label}", lambda x, n=n: lab.anchor(x, n)[metric] * scale, fmt)
+
+    def seeded(family: str, metric: str, label: str, fmt: str, scale: float = 1.0, lower_is_better: bool = True) -> None:
+        """The mean over seeds, then the change paired by seed: its mean and sd, and on how many
+        seeds the figure is worse / better without the mechanism."""
+        d, x = lab.seeded(D, family), lab.seeded(v, family)
+        trio(f"{family} ({len(d)} seeds): {label}, mean",
+             lambda y: _mean([r[metric] * scale for r in lab.seeded(y, family)]), fmt)
+        diffs = [(b[metric] - a[metric]) * scale for a, b in zip(d, x)]
+        worse = sum((c > 0) if lower_is_better else (c < 0) for c in diffs)
+        better = sum((c < 0) if lower_is_better else (c > 0) for c in diffs)
+        figs.append(Figure(f"  change without it, paired by seed: mean (sd {_sd(diffs):.2f}); worse on {worse}, "
+                           f"better on {better} of {len(d)} seeds", math.nan, _mean(diffs), None, "{:+.2f}"))
+
+    if v.key == "vtc":
+        trio(f"overload (4 users x {cfg.overload_per_user}): largest service gap, weighted tokens", lambda x: lab.overload(x)["max_gap"],
+             "{:,.0f}")
+        trio("overload: Jain's index while all backlogged", lambda x: lab.overload(x)["jain"], "{:.3f}")
+        trio("overload, weights 2 : 1 : 1 : 1: share of the weight-2 user over the others' mean (exact 2.00)",
+             lambda x: lab.overload(x)["weighted_share"])
+        trio(f"A/B ({cfg.seeds} seeds): B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
+        trio("overload: output tok/s", lambda x: lab.overload(x)["throughput_tok_s"], "{:.0f}")
+    elif v.key == "isolation":
+        for k, lbl in (("submit_median", "from submit, median"), ("submit_worst", "from submit, worst seed"),
+                       ("arrival_median", "from arrival, median"), ("arrival_worst", "from arrival, worst seed")):
+            trio(f"A/B ({cfg.seeds} seeds): B's median TTFT with A / alone, {lbl}", lambda x, k=k: lab.ab(x)[k])
+        trio(f"flood ({cfg.flood} requests of A): light users' TTFT p99, ms",
+             lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
+        trio("A/B: output tok/s, mean over seeds", lambda x: lab.ab(x)["throughput_tok_s"], "{:.1f}")
+        trio("flood: output tok/s", lambda x: lab.flood(x)["throughput_tok_s"], "{:.1f}")
+    elif v.key == "latency-model":
+        trio(f"token clock, A/B ({cfg.seeds} seeds): isolated iterations per run",
+             lambda x: lab.ab_tokens(x)["isolated_ticks"], "{:.1f}")
+        trio("token clock, A/B: output tok/s, mean", lambda x: lab.ab_tokens(x)["throughput_tok_s"], "{:.1f}")
+        d, x = lab.ab_tokens(D)["per_seed_throughput"], lab.ab_tokens(v)["per_seed_throughput"]
+        lower = sum(b < a for a, b in zip(d, x))
+        figs.append(Figure(f"  seeds with lower tok/s without it: {lower} of {len(d)}", math.nan, lower, None,
+                           "{:.0f}"))
+        trio("token clock, A/B: B's TTFT ratio, median", lambda x: lab.ab_tokens(x)["ratio_median"])
+        trio("token clock, A/B: B's TTFT ratio, worst seed", lambda x: lab.ab_tokens(x)["ratio_worst"])
+        trio("stub clock, A/B: B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
+        trio("stub clock, A/B: B's TTFT ratio from submit, worst seed", lambda x: lab.ab(x)["submit_worst"])
+        trio("stub clock, flood: light users' TTFT p99, ms", lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
+        trio("stub clock, A/B: output tok/s", lambda x: lab.ab(x)["throughput_tok_s"], "{:.1f}")
+        workload_trio("throughput_tok_s", "output tok/s (stub clock)", ("azure-conv",), "{:.1f}")
+    elif v.key == "headroom":
+        workload_trio("preemptions", "preemptions", ("stream-saturating", "long-kv", "azure-conv", "ab-burst"), "{:.0f}")
+        trio("overload: preemptions", lambda x: lab.overload(x)["preemptions"], "{:.0f}")
+        trio(f"A/B ({cfg.seeds} seeds): preemptions per run", lambda x: lab.ab(x)["preemptions"], "{:.1f}")
+        anchor_trio("preemptions", "preemptions", "{:.0f}")
+        workload_trio("throughput_tok_s", "output tok/s", ("stream-saturating", "long-kv", "azure-conv"), "{:.1f}")
+        trio("overload: output tok/s", lambda x: lab.overload(x)["throughput_tok_s"], "{:.0f}")
+    elif v.key == "easy":
+        workload_trio("throughput_tok_s", "output tok/s", ("mooncake-conv", "azure-conv", "long-kv", "ab-burst",
+                                                           "stream-saturating"), "{:.1f}")
+        anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
+        workload_trio("ttft_p99_s", "TTFT p99, s", ("mooncake-conv", "azure-conv"), "{:.1f}")
+    elif v.key == "drain":
+        seeded("ab-burst", "throughput_tok_s", "output tok/s", "{:.1f}", lower_is_better=False)
+        trio(f"ab-burst ({cfg.burst_seeds} seeds): TTFT p99, s, mean",
+             lambda x: _mean([r["ttft_p99_s"] for r in lab.seeded(x, "ab-burst")]))
+        trio(f"ab-burst ({cfg.burst_seeds} seeds): TPOT p99, ms, mean",
+             lambda x: _mean([r["tpot_p99_s"] * 1e3 for r in lab.seeded(x, "ab-burst")]), "{:.1f}")
+        workload_trio("throughput_tok_s", "output tok/s", ("ab-burst", "long-kv", "mooncake-conv", "azure-conv"),
+                      "{:.1f}")
+        anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
+    elif v.key == "resume-first":
+        workload_trio("tpot_p99_s", "TPOT p99, ms", ("long-kv", "azure-conv", "mooncake-conv", "stream-saturating"),
+                      "{:.0f}", 1e3)
+        anchor_trio("tpot_p99_s", "TPOT p99, ms", "{:.0f}", 1e3)
+        seeded("long-kv", "tpot_p99_s", "TPOT p99, ms", "{:.1f}", 1e3)
+        workload_trio("throughput_tok_s", "output tok/s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
+        workload_trio("preemptions", "preemptions", ("long-kv", "azure-conv", "mooncake-conv"), "{:.0f}")
+    elif v.key == "aging":
+        workload_trio("largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks",
+                      ("mooncake-conv", "azure-conv", "long-kv"), "{:,.0f}")
+        seeded("long-kv", "largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks", "{:,.0f}")
+        trio(f"{cfg.wait_cases} random small-cache cases: longest wait of any request, ticks",
+             lambda x: lab.wait_cases(x)["max_wait_ticks"], "{:,.0f}")
+        d, x = lab.wait_cases(D)["per_case_max_wait_ticks"], lab.wait_cases(v)["per_case_max_wait_ticks"]
+        longer, shorter = sum(b > a for a, b in zip(d, x)), sum(b < a for a, b in zip(d, x))
+        figs.append(Figure(f"  cases whose longest wait is longer / shorter without it: {longer} / {shorter}",
+                           math.nan, longer, None, "{:.0f}"))
+        figs.append(Figure("  longest wait without it over with it, mean over cases", math.nan,
+                           _mean([b / max(a, 1) for a, b in zip(d, x)]), None, "{:.3f}"))
+        trio(f"long prompts amid a 60/s stream ({cfg.longs_seeds} seeds): their longest wait, ticks",
+             lambda x: lab.longs(x)["long_max_wait_ticks"], "{:,.0f}")
+        workload_trio("reserved_ticks", "ticks with the reservation held", ("mooncake-conv", "azure-conv"), "{:,.0f}")
+        seeded("long-kv", "throughput_tok_s", "output tok/s", "{:.1f}", lower_is_better=False)
+        workload_trio("throughput_tok_s", "output tok/s", ("mooncake-conv", "azure-conv"), "{:.1f}")
+    elif v.key == "preemption-cap":
+        for n in wl:
+            trio(f"{n}: most preemptions of one request",
+                 lambda x, n=n: lab.workload(x, n)["max_preemptions_one_request"], "{:.0f}")
+        trio(f"{cfg.cap_cases} random tiny-cache cases: most preemptions of one request",
+             lambda x: lab.cap_cases(x)["max_preemptions_one_request"], "{:.0f}")
+        trio("  cases where a request is preempted more than 4 times", lambda x: lab.cap_cases(x)["cases_over_4"],
+             "{:.0f}")
+        trio("  preemptions, all cases", lambda x: lab.cap_cases(x)["preemptions"], "{:.0f}")
+        trio("  makespan, all cases, s", lambda x: lab.cap_cases(x)["makespan_s"], "{:.1f}")
+    return figs
+
+
+def ablate(cfg: Config, *, only: Sequence[str] | None = None, traces: Path | None = None,
+           matrix: bool = True, log: Callable[[str], None] = lambda s: None) -> tuple[list[Row], dict]:
+    """Run the ablation. Returns (one ``Row`` per mechanism, the matrix: variant -> workload -> figures)."""
+    lab = Lab(cfg, traces if traces is not None else vc.traces_dir(), log)
+    rows = [Row(v.key, v.name, v.off, v.for_, row_figures(lab, v)) for v in MECHANISMS if not only or v.key in only]
+    mat: dict[str, dict[str, dict]] = {}
+    if matrix:
+        for v in (DEFAULT, *MECHANISMS, FCFS):
+            if only and v.key not in (*only, "default", "fcfs"):
+                continue
+            mat[v.key] = {n: lab.workload(v, n) for n in cfg.workloads}
+            for n in cfg.anchors:
+                a = lab.anchor(v, n)
+                if a is not None:
+                    mat[v.key][n] = a
+    return rows, mat
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    """The markdown table: a line per figure, the mechanism named on its first."""
+    out = ["| mechanism (switched off by) | what it is for | figure | with it (default) | without it | change | FCFS |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for i, f in enumerate(r.figures):
+            w, wo, fc, ch = f.cells()
+            head = f"**{r.mechanism}** (`{r.off}`) | {r.for_}" if i == 0 else " | "
+            out.append(f"| {head} | {f.label} | {w} | {wo} | {ch} | {fc} |")
+    return out
+
+
+def matrix_table(mat: dict[str, dict[str, dict]]) -> list[str]:
+    """Every variant on the common workloads: output tok/s, preemptions, TTFT p99 (s), TPOT p99 (ms)."""
+    if not mat:
+        return []
+    names = list(next(iter(mat.values())))
+    out = ["| variant | " + " | ".join(f"`{n.removesuffix('.csv')}`" for n in names) + " |",
+           "|---|" + "---|" * len(names)]
+    label = {"default": "default", "fcfs": "FCFS"}
+    for key, cells in mat.items():
+        name = label.get(key, f"{VARIANTS[key].name} off")
+        out.append(f"| {name} | " + " | ".join(
+            f"{c['throughput_tok_s']:.1f} / {c['preemptions']:.0f} / {c['ttft_p99_s']:.1f} / {c['tpot_p99_s'] * 1e3:.0f}"
+            for c in cells.values()) + " |")
+    return out
+
+
+def _plain(x: Any) -> Any:
+    """``x`` with every NaN as ``None`` (strict JSON)."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _plain(y) for k, y in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(y) for y in x]
+    return x
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small run: one seed, the small workloads (seconds)")
+    p.add_argument("--seeds", type=int, default=10, help="A/B burst seeds for isolation, the model and VTC (default 10)")
+    p.add_argument("--only", default=None, help="comma-separated mechanisms: " + ",".join(v.key for v in MECHANISMS))
+    p.add_argument("--no-matrix", action="store_true", help="leave out the matrix of every variant on every workload")
+    p.add_argument("--traces", default=None, help="folder of the anchor traces (default as bench/vllm_compare.py)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each measurement and its CPU time on stderr")
+    a = p.parse_args(argv)
+    only = [x.strip() for x in a.only.split(",")] if a.only else None
+    if only and (bad := [x for x in only if x not in VARIANTS or x in ("default", "fcfs")]):
+        p.error(f"unknown mechanism {bad[0]!r}; choose from {', '.join(v.key for v in MECHANISMS)}")
+    if a.seeds < 1:
+        p.error("--seeds must be >= 1")
+    cfg = Config.quick() if a.quick else Config.full(a.seeds)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.verbose else (lambda s: None)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    rows, mat = ablate(cfg, only=only, traces=Path(a.traces) if a.traces else None, matrix=not a.no_matrix, log=log)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    meta = {"date": _dt.date.today().isoformat(), "commit": _commit(), "config": dataclasses.asdict(cfg),
+            "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
+    if a.json:
+        print(json.dumps(_plain({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows], "matrix": mat})))
+        return 0
+    print(f"ablation: the default with one mechanism off; simulated clock; {meta['date']}, commit {meta['commit']}; "
+          f"{cpu:.0f} s CPU")
+    print()
+    print("\n".join(table(rows)))
+    if mat:
+        print()
+        print("Every variant on the common workloads: output tok/s / preemptions / TTFT p99 (s) / TPOT p99 (ms)")
+        print()
+        print("\n".join(matrix_table(mat)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
