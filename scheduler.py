@@ -325,6 +325,8 @@ class Scheduler:
         with self._tick_lock:
             with self._lock:
                 start_s = self.clock()
+                if self._checker is not None:  # the trace validator's snapshot (spec.refinement)
+                    self._checker.before_tick(self)
                 plan = self.schedule()
                 journal = self._commit_blocks(plan)
                 self._inflight = (plan, threading.get_ident())

@@ -336,12 +336,19 @@ class InvariantChecker:
     O(requests) time per tick).
     """
 
-    __slots__ = ("ticks", "forward_calls", "_gen_before")
+    __slots__ = ("ticks", "forward_calls", "_gen_before", "validator")
 
     def __init__(self) -> None:
         self.ticks = 0
         self.forward_calls = 0
         self._gen_before: dict[Any, int] = {}  # record -> tokens; keyed by the object: an id() is reused
+        from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
+
+        self.validator = TraceValidator()
+
+    def before_tick(self, sched: Any) -> None:
+        """Called at the start of every tick (before ``schedule()``): the trace validator's snapshot."""
+        self.validator.before_tick(sched)
 
     def count_forward(self, backend: Callable[[list], Any]) -> Callable[[list], Any]:
         """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``).
@@ -406,3 +413,9 @@ class InvariantChecker:
             fail("batch_kv_within_cap", f"batch of {len(batch)} holds {sum(kv_at_forward)} blocks by "
                                         f"kv_blocks_for, cap {sched.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
+        from spec.refinement import RefinementError  # noqa: PLC0415 - spec.refinement imports this module
+
+        try:
+            self.validator.after_tick(sched, plan, {s: s.finish_reason for s in done})
+        except RefinementError as e:
+            fail("refines_model_tick", str(e))

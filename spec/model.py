@@ -283,6 +283,8 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
         has_budget = budget > 0  # a request the spent budget cannot run neither grows nor preempts
         for a in range(R):  # `while not can_allocate`: each round removes one alive request
             cond = And(alive[i], Not(skip[i]), has_budget, Not(rules.can_allocate(free, need)))
+            if cond is False:  # decided (plain ints): no hit, so free and alive stay and every later round is False too
+                break
             v = _last_alive(alive, free_blocks) if ch.victim is None else ch.victim(i, a, alive)
             if ch.victim is not None:
                 ch.assumptions.append(Or(Not(cond), *(And(v == j, alive[j]) for j in range(R))))
