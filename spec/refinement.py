@@ -16,7 +16,9 @@ written for it.
 
 ``Scheduler(check_invariants=True)`` (the test suite's default) runs it every tick with at
 most ``MAX_SLOTS`` slots (the model is quadratic in the slots on ints), so larger ticks are
-counted in ``TraceValidator.skipped`` instead. The stateful test keeps its scenarios below that.
+counted in ``TraceValidator.skipped`` instead. Ticks in which isolation took grants back after
+admission (``SchedulePlan.revised``) are not steps the model has (its sit-outs come before
+admission) and are counted in ``TraceValidator.unmodelled``.
 """
 from __future__ import annotations
 
@@ -62,14 +64,19 @@ class TraceValidator:
 
     Attributes:
         checked: ticks validated. skipped: ticks with more than ``max_slots`` slots.
+        unmodelled: ticks in which isolation took grants back after admission (sit-outs,
+            deferred admissions; ``SchedulePlan.revised``): the model sizes admissions' chunks
+            with the budget those grants had, the scheduler did not get it back in time, and the
+            model has no such step.
     """
 
-    __slots__ = ("max_slots", "checked", "skipped", "_before")
+    __slots__ = ("max_slots", "checked", "skipped", "unmodelled", "_before")
 
     def __init__(self, max_slots: int = MAX_SLOTS) -> None:
         self.max_slots = max_slots
         self.checked = 0
         self.skipped = 0
+        self.unmodelled = 0
         self._before: Snapshot | None = None
 
     def before_tick(self, sched: Any) -> None:
@@ -89,6 +96,9 @@ class TraceValidator:
         """
         before, self._before = self._before, None
         if before is None:
+            return
+        if getattr(plan, "revised", False):  # grants taken back after admission: no such step in the model
+            self.unmodelled += 1
             return
         admitted = [e.seq for e in plan.batch if e.admitted]
         slots = [s for s in before.running if s in before.reqs] + admitted

@@ -25,6 +25,8 @@ from conftest import StepClock
 from inference_stub import Request
 from scheduler import DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
 from spec import invariants as inv
+from spec import fairness_rules as fr
+from spec import lifecycle as lc
 from spec import model, rules
 from spec.verify import fcfs_kwargs
 
@@ -34,6 +36,8 @@ STEPS = int(os.environ.get("BATCH_STATEFUL_STEPS", "200"))
 DRAIN_SLACK = 4
 EXAMPLES = int(os.environ.get("BATCH_STATEFUL_EXAMPLES", "50"))
 EOS = 0
+USERS = ("a", "b", "c")
+WAITING = lc.WAITING_STATES
 
 
 def token_at(rid: str, k: int) -> int:
@@ -86,6 +90,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                                backend=self.backend, clock=StepClock(), check_invariants=True,
                                **(fcfs_kwargs() if fcfs else {}))
         self.chunk_eff = min(chunk_tokens, self.sched.token_budget_tokens)
+        self.charged: dict[str, list[int]] = {}  # user -> [prompt, output] tokens charged this tick
+        self.activated: set[str] = set()  # users that became backlogged this tick (a lift may apply)
+        if not fcfs:  # record what the scheduler charges VTC, and when a user's counter may be lifted
+            policy = self.sched.policy
+            on_service, activate = policy.on_service, policy._activate
+
+            def recording_on_service(user_id: str, prompt_tokens: int, output_tokens: int) -> None:
+                acc = self.charged.setdefault(user_id, [0, 0])
+                acc[0] += prompt_tokens
+                acc[1] += output_tokens
+                on_service(user_id, prompt_tokens, output_tokens)
+
+            def recording_activate(user_id: str, *a, **kw):
+                self.activated.add(user_id)
+                return activate(user_id, *a, **kw)
+
+            policy.on_service, policy._activate = recording_on_service, recording_activate
         self.ticks = 0
         self.next_id = 0
         self.accepted: dict[str, Request] = {}
@@ -94,7 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ steps
 
-    @rule(user=st.sampled_from(["a", "b", "c"]),
+    @rule(user=st.sampled_from(USERS),
           prompt_tokens=st.one_of(st.integers(1, 40), st.integers(41, 300)),
           max_tokens=st.integers(0, 12), eos_at=st.integers(0, 14))
     def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int) -> None:
@@ -149,9 +170,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def tick(self) -> None:
         calls = self.backend.calls
+        vtc = not self.fcfs
+        if vtc:  # what each request had before the tick, for the charges the spec implies
+            policy = self.sched.policy
+            before = {q: (q.num_computed_tokens, q.num_prompt_tokens_served, len(q.req.generated))
+                      for q in self.sched._by_obj.values()}
+            counters = {u: policy.counter(u) for u in USERS}
+            self.charged, self.activated = {}, set()
         self.step_failed = True
         finished = self.sched.tick()
         self.step_failed = False
+        if vtc:
+            self._check_vtc_charges(before, counters)
         assert inv.one_forward_per_tick(self.backend.calls - calls)
         if self.backend.calls > calls:
             assert inv.batch_kv_within_cap([self.backend.batch_blocks[-1]], self.sched.kv_cap_blocks)
@@ -181,6 +211,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         for q in in_flight:  # tokens so far are the backend's tokens, in order, none lost or repeated
             g = self.accepted[q].generated
             assert g == [token_at(q, k) for k in range(1, len(g) + 1)], q
+
+    @invariant()
+    def preemption_cap_and_aging_hold(self) -> None:
+        """No request is preempted more than ``max_preemptions`` times (then it is pinned), and
+        a waiting request blocked for ``aging_ticks`` ticks has made someone hold the reservation."""
+        s = self.sched
+        if s is None:
+            return
+        for q in s._by_obj.values():
+            assert q.num_preemptions <= s.max_preemptions, f"{q.request_id} preempted {q.num_preemptions} times"
+            if q.state in WAITING and q.blocked_ticks >= s.aging_ticks:
+                assert s._reserved is not None, f"{q.request_id} blocked {q.blocked_ticks} ticks, no reservation"
 
     @invariant()
     def fcfs_order_and_deadlines(self) -> None:
@@ -220,6 +262,35 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(g) == r.max_tokens or len(r.prompt) + len(g) >= self.sched.max_model_len_tokens
         assert g[:len(g) - (g[-1] == EOS)] == [token_at(rid, k) for k in range(1, len(g) + 1 - (g[-1] == EOS))]
         assert r.submitted_at <= r.started_at <= r.completed_at
+
+    def _check_vtc_charges(self, before: dict, counters: dict[str, int]) -> None:
+        """VTC is charged what the spec says for the tick that just ran: per user, the first-time
+        prompt tokens (``new_prompt_tokens``) and one output per token produced, at the spec's
+        prices (``service_units``, ``charged_counter``); a counter rises further only by a lift
+        of a user that became backlogged in the tick."""
+        plan = self.sched._last_tick[0]
+        want: dict[str, list[int]] = {}
+        if plan is not None:
+            for e in plan.batch:
+                q = e.seq
+                if q not in before:
+                    continue
+                nc, served, gen = before[q]
+                acc = want.setdefault(q.user_id, [0, 0])
+                if nc < q.num_prompt_tokens:
+                    acc[0] += fr.new_prompt_tokens(nc, e.num_new_tokens, q.num_prompt_tokens, served)
+                acc[1] += len(q.req.generated) - gen
+        want = {u: v for u, v in want.items() if v != [0, 0]}
+        got = {u: v for u, v in self.charged.items() if v != [0, 0]}
+        assert got == want, f"VTC charged {got}, the tick served {want}"
+        policy = self.sched.policy
+        for u in USERS:
+            p, o = want.get(u, [0, 0])
+            expect = fr.charged_counter(counters[u], fr.service_units(p, o, fr.PROMPT_PRICE, fr.OUTPUT_PRICE),
+                                        policy.weight_of(u))
+            c = policy.counter(u)
+            assert c == expect or (c > expect and u in self.activated), \
+                f"{u}: counter {c}, the spec's charge gives {expect} (served {p} prompt, {o} output)"
 
     def _observable(self) -> tuple:
         s = self.sched

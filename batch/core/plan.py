@@ -90,6 +90,8 @@ class SchedulePlan:
             for it by preemption), or None.
         isolated: whether this iteration is isolated (``sat_out`` or deferred admissions).
         trimmed: whether ``sat_out`` sit out to meet ``Isolation.iteration_target_s`` (then not isolated).
+        revised: isolation took grants back after admission (sit-outs, deferred admissions): the
+            admissions' chunks were sized before the budget came back.
         protected_updates: user -> protected (TTFT protection hysteresis states to commit).
     """
 
@@ -104,6 +106,7 @@ class SchedulePlan:
     isolated: bool = False
     protected_updates: dict[str, bool] = field(default_factory=dict)
     trimmed: bool = False
+    revised: bool = False
 
     @property
     def requests(self) -> list[Request]:
@@ -145,6 +148,7 @@ class PlanDraft:
         isolated: whether over-served requests sit out (output).
         trimmed: whether they sit out to meet the iteration target (output; never with ``isolated``).
         protected_updates: user -> protected, the hysteresis states to commit (output).
+        revised: grants were taken back after admission (``drop``: sit-outs, deferrals).
     """
 
     live: list[Any]
@@ -163,6 +167,7 @@ class PlanDraft:
     isolated: bool = False
     trimmed: bool = False
     protected_updates: dict[str, bool] = field(default_factory=dict)
+    revised: bool = False
 
     def freeze(self, token_budget_tokens: int) -> SchedulePlan:
         """The ``SchedulePlan`` of this draft (``token_budget_tokens``: the budget it started
@@ -176,11 +181,13 @@ class PlanDraft:
                             num_batched_tokens=token_budget_tokens - self.budget_tokens,
                             free_blocks_after=self.free_blocks, admission_stop=self.stop, sat_out=tuple(self.sat_out),
                             blocked=first_not_in(self.blocked, self.admitted), reserve=self.reserve,
-                            isolated=self.isolated, protected_updates=self.protected_updates, trimmed=self.trimmed)
+                            isolated=self.isolated, protected_updates=self.protected_updates, trimmed=self.trimmed,
+                            revised=self.revised)
 
     def drop(self, seqs: list[Any]) -> None:
         """Take ``seqs`` out of this iteration (sit out / defer): their grants go back."""
         gone = set(seqs)
+        self.revised = self.revised or bool(seqs)
         for q in seqs:
             n, blocks = self.grants.pop(q)
             self.free_blocks += blocks
