@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Scheduler CPU per tick at 256 running: this tree against an earlier commit, in one run.
 
-The method of ``make bench``'s overhead figure (``bench/bench.py``, ``tick_overhead_us``): a null
-backend, ``running`` requests resident and decoding (nobody finishes), ``waiting`` more queued
+The method of ``make bench``'s overhead figure (``bench/bench.py``, ``tick_overhead_us``, called
+here on each tree's ``Scheduler``): a null backend, ``running`` requests resident and decoding (nobody finishes), ``waiting`` more queued
 behind them, 5 users, 20 warm-up ticks, then CPU time (``time.process_time``) per tick over
 ``ticks`` ticks, the backend's own time subtracted. Each measurement runs in a fresh process
 that imports ``scheduler`` from the tree being measured; the two trees alternate, ``--rounds``
@@ -29,32 +29,18 @@ BASE_ITERATION_US = 5000.0
 
 
 def _child(tree: str, running: int, waiting: int, ticks: int) -> float:
-    """CPU microseconds per tick outside the backend, ``scheduler`` imported from ``tree``."""
-    import time
+    """CPU microseconds per tick outside the backend, ``scheduler`` imported from ``tree``
+    (``bench.tick_overhead_us``, ``make bench``'s method, on that tree's ``Scheduler``)."""
+    import importlib.util
 
     sys.path.insert(0, tree)
-    from inference_stub import Request
-    from scheduler import Scheduler
+    import scheduler  # from `tree`: bench.py's own `import scheduler` then finds this one
 
-    in_fwd = [0.0]
-
-    def backend(batch):
-        t = time.process_time()
-        out = [1] * len(batch)
-        in_fwd[0] += time.process_time() - t
-        return out
-
-    s = Scheduler(kv_cap_blocks=running * 64, max_running=running, backend=backend, clock=lambda: 0.0,
-                  record_itl=False)
-    for i in range(running + waiting):
-        s.submit(Request(user_id=f"u{i % 5}", prompt=[1] * 16, max_tokens=10**6, request_id=f"r{i}"))
-    for _ in range(20):
-        s.tick()
-    in_fwd[0] = 0.0
-    t0 = time.process_time()
-    for _ in range(ticks):
-        s.tick()
-    return (time.process_time() - t0 - in_fwd[0]) / ticks * 1e6
+    spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parent / "bench.py")
+    bench = importlib.util.module_from_spec(spec)  # this tree's bench.py, whichever tree is measured
+    sys.modules["bench"] = bench
+    spec.loader.exec_module(bench)
+    return bench.tick_overhead_us(running, waiting, ticks=ticks, make=scheduler.Scheduler)
 
 
 def measure(tree: Path, running: int, waiting: int, ticks: int) -> float:
