@@ -13,6 +13,12 @@ gap and the aging bound) are meant to be added that way.
 Every check asks z3 for a counterexample to ``assumptions -> property`` and expects
 ``unsat``; each also checks that the assumptions alone are satisfiable (``sat``), so a proof
 cannot hold vacuously.
+
+The proofs must not depend on one z3 version's luck (they prove with z3-solver 4.15 and 5.4):
+every solver gets ``SOLVER_PARAMS`` (what 5.x changed by default), bounded runs are bit-blasted
+by a fixed tactic (``BV_TACTIC``) one query per depth (``Run.stages``, ``_prove_stages``), each
+query has a timeout (``Options.timeout_s``) and each check a time budget (``Options.budget_s``),
+and ``--queries`` prints every query's result and time.
 """
 from __future__ import annotations
 
@@ -59,6 +65,10 @@ class Options:
         progress_chunks: ``(prefill_chunk_tokens, token_budget_tokens)`` pairs for the
             unbounded no-starvation proof (concrete, so ``ceil(x / chunk)`` stays linear).
         timeout_s: per z3 query; ``unknown`` after it.
+        budget_s: per check, all its queries together (``run_checks``): a query gets what is
+            left of it when that is less than ``timeout_s``, and the check is ``unknown`` once it
+            is spent. The longest check, ``kv_cap_tick``, takes about 15 to 20 s with z3 4.15 and
+            5.4 on 2 cores; its longest query about 12 to 15 s (times per check: ``docs/spec.md``).
     """
 
     block_tokens: int = 16
@@ -72,7 +82,8 @@ class Options:
     bmc_max_running: int = 256
     bmc_max_tokens: int = 3
     progress_chunks: tuple[tuple[int, int], ...] = ((64, 4096), (4, 3), (3, 5))
-    timeout_s: float = 120.0
+    timeout_s: float = 60.0
+    budget_s: float = 100.0
 
     def bmc_cfg(self) -> Cfg:
         return Cfg(self.bmc_cap_blocks, self.bmc_block_tokens, self.bmc_chunk_tokens, self.bmc_budget_tokens,
@@ -254,11 +265,88 @@ class EosBackend:
 # ---------------------------------------------------------------- z3 plumbing
 
 
-def _solve(constraints: Sequence[Any], timeout_s: float) -> tuple[str, Any]:
-    """``("sat", model)``, ``("unsat", None)`` or ``("unknown", reason)``."""
+#: Parameters set on every solver, whatever the installed z3's defaults. z3 5.x sorts the
+#: arguments of bit-vector sums (``rewriter.bv_sort_ac``, off up to 4.15): the unrolled runs' sums
+#: of held blocks then lose their sharing, and ``kv_cap_bmc`` / ``no_starvation_fcfs`` went from
+#: seconds to minutes (``unknown`` at the 120 s timeout). Stated here, both versions pose the same query.
+SOLVER_PARAMS: dict[str, Any] = {"rewriter.bv_sort_ac": False}
+
+#: The tactic for queries over bit-vectors and booleans only (the bounded runs): simplify,
+#: eliminate the ``x_t == term`` definitions, bit-blast, and a SAT solver. Fixed here rather than
+#: left to z3's choice for the logic, which changes between versions.
+BV_TACTIC: tuple[str, ...] = ("simplify", "propagate-values", "solve-eqs", "bit-blast", "sat")
+
+#: When the running check's time budget ends (``time.perf_counter()``); set by ``run_checks``.
+_deadline: float | None = None
+#: Where each query's result and time go (``--queries``), or nowhere.
+_query_log: Callable[[str], None] | None = None
+
+
+def _log_query(label: str, result: Any, t0: float) -> None:
+    if _query_log is not None:
+        _query_log(f"    query {label}: {result} ({time.perf_counter() - t0:.2f} s)")
+
+
+class BudgetSpent(Exception):
+    """The running check's time budget (``Options.budget_s``) ran out before a query."""
+
+
+def _query_ms(timeout_s: float) -> int:
+    """The timeout of the next query, ms: ``timeout_s``, or what is left of the check's budget.
+
+    Raises:
+        BudgetSpent: nothing is left.
+    """
+    if _deadline is not None:
+        left = _deadline - time.perf_counter()
+        if left <= 0:
+            raise BudgetSpent
+        timeout_s = min(timeout_s, left)
+    return max(1, int(timeout_s * 1000))
+
+
+def _is_bv(constraints: Sequence[Any]) -> bool:
+    """Every constraint is over bit-vectors and booleans (z3's ``is-qfbv`` probe)."""
     z3 = _z3()
-    s = z3.Solver()
-    s.set("timeout", int(timeout_s * 1000))
+    g = z3.Goal()
+    g.add(*constraints)
+    return z3.Probe("is-qfbv")(g) == 1.0
+
+
+_known_params: dict[tuple[str, Any], bool] = {}
+
+
+def _param_known(key: str, value: Any) -> bool:
+    """z3 accepts the solver parameter (it checks at the first assertion, not at ``set``): a
+    later z3 without one of ``SOLVER_PARAMS`` runs the checks with its default instead of failing."""
+    if (key, value) not in _known_params:
+        z3 = _z3()
+        s = z3.Solver()
+        s.set(key, value)
+        try:
+            s.add(z3.BoolVal(True))
+            _known_params[key, value] = True
+        except z3.Z3Exception:
+            _known_params[key, value] = False
+    return _known_params[key, value]
+
+
+def _solver(timeout_s: float, bit_blast: bool = False) -> Any:
+    """A fresh solver with ``SOLVER_PARAMS`` and the query timeout; ``bit_blast``: ``BV_TACTIC``."""
+    z3 = _z3()
+    s = z3.Then(*BV_TACTIC).solver() if bit_blast else z3.Solver()
+    s.set("timeout", _query_ms(timeout_s))
+    for k, v in SOLVER_PARAMS.items():
+        if _param_known(k, v):
+            s.set(k, v)
+    return s
+
+
+def _solve(constraints: Sequence[Any], timeout_s: float) -> tuple[str, Any]:
+    """``("sat", model)``, ``("unsat", None)`` or ``("unknown", reason)``; one fresh solver,
+    ``BV_TACTIC`` when the constraints are bit-vector only."""
+    z3 = _z3()
+    s = _solver(timeout_s, _is_bv(constraints))
     s.add(*constraints)
     r = s.check()
     if r == z3.sat:
@@ -311,49 +399,92 @@ def _cfg_values(m: Any, cfg: Cfg) -> dict[str, Any]:
 
 
 def _prove(assumptions: Sequence[Any], goals: Sequence[tuple[str, Any]], timeout_s: float,
-           split: bool = True) -> tuple[str, Any]:
+           split: bool = True, lemmas: bool = False) -> tuple[str, Any]:
     """Check ``assumptions`` are satisfiable, then that they imply every goal.
 
     With ``split``, one goal at a time on one incremental solver (much faster for a single
-    step with many goals); without, one query for the disjunction of the negated goals
-    (faster for bounded runs, whose goals share the whole unrolling).
+    step with many goals); with ``lemmas`` too, each proved goal is then kept as a lemma for
+    the next ones (sound: the assumptions imply it; for goals that restate each other, such as
+    a whole tick's ledger goals, one linear equation written twice; unrelated lemmas can slow
+    a query down, so it is asked for per group). Without ``split``, one query for the
+    disjunction of the negated goals on a fresh solver (``_prove_stages`` with one stage:
+    bounded runs, whose goals share the unrolling).
 
     Returns:
         ``("proved", None)``, ``("vacuous", None)``, ``("unknown", reason)`` or
         ``("counterexample", (model, [names of the goals false in it]))``.
     """
+    if not split:
+        return _prove_stages([("", assumptions, goals)], timeout_s)
     z3 = _z3()
-    if not split:  # fresh, non-incremental solvers: z3 then bit-blasts bit-vectors to SAT
-        r, info = _solve(assumptions, timeout_s)
+    try:
+        s = _solver(timeout_s)
+        s.add(*assumptions)
+        t0 = time.perf_counter()
+        r = s.check()
+        _log_query("assumptions", r, t0)
+        if r == z3.unsat:
+            return "vacuous", None
+        if r != z3.sat:
+            return "unknown", s.reason_unknown()
+        for name, g in goals:
+            if isinstance(g, bool):
+                if g:
+                    continue
+                s.check()
+                return "counterexample", (s.model(), [name])
+            s.set("timeout", _query_ms(timeout_s))
+            s.push()
+            s.add(Not(g))
+            t0 = time.perf_counter()
+            r = s.check()
+            _log_query(name, r, t0)
+            if r == z3.sat:
+                m = s.model()
+                return "counterexample", (m, [n for n, h in goals if not _val(m, h)])
+            s.pop()
+            if r != z3.unsat:
+                return "unknown", f"{name}: {s.reason_unknown()}"
+            if lemmas:
+                s.add(g)  # proved: a lemma for the goals after it
+    except BudgetSpent:
+        return "unknown", "the check's time budget is spent"
+    return "proved", None
+
+
+def _prove_stages(stages: Sequence[tuple[str, Sequence[Any], Sequence[tuple[str, Any]]]],
+                  timeout_s: float) -> tuple[str, Any]:
+    """A bounded run, one query per stage: stage ``k``'s goals under the assumptions of stages
+    ``0..k`` (``(label, assumptions, goals)``; a run's goals at tick ``t`` need its unrolling up
+    to ``t`` only, so one stage per depth). Each query is a fresh solver (``BV_TACTIC`` when the
+    query is bit-vector only), for the disjunction of the stage's negated goals, so every
+    query gets the whole time limit and the first depth with a counterexample is the one
+    reported. The conjunction of every stage's assumptions is checked satisfiable first.
+
+    Returns:
+        As ``_prove``; ``unknown``'s reason names the stage.
+    """
+    everything = [a for _, asm, _ in stages for a in asm]
+    try:
+        t0 = time.perf_counter()
+        r, info = _solve(everything, timeout_s)
+        _log_query("assumptions", r, t0)
         if r != "sat":
             return ("vacuous", None) if r == "unsat" else ("unknown", info)
-        r, m = _solve([*assumptions, Or(*(Not(g) for _, g in goals))], timeout_s)
-        if r == "sat":
-            return "counterexample", (m, [n for n, g in goals if not _val(m, g)])
-        return ("proved", None) if r == "unsat" else ("unknown", m)
-    s = z3.Solver()
-    s.set("timeout", int(timeout_s * 1000))
-    s.add(*assumptions)
-    r = s.check()
-    if r == z3.unsat:
-        return "vacuous", None
-    if r != z3.sat:
-        return "unknown", s.reason_unknown()
-    for name, g in goals:
-        if isinstance(g, bool):
-            if g:
+        upto: list[Any] = []
+        for label, asm, goals in stages:
+            upto += asm
+            if not goals:
                 continue
-            s.check()
-            return "counterexample", (s.model(), [name])
-        s.push()
-        s.add(Not(g))
-        r = s.check()
-        if r == z3.sat:
-            m = s.model()
-            return "counterexample", (m, [n for n, h in goals if not _val(m, h)])
-        s.pop()
-        if r != z3.unsat:
-            return "unknown", f"{name}: {s.reason_unknown()}"
+            t0 = time.perf_counter()
+            r, m = _solve([*upto, Or(*(Not(g) for _, g in goals))], timeout_s)
+            _log_query(label or "the goals at once", r, t0)
+            if r == "sat":
+                return "counterexample", (m, [n for n, g in goals if not _val(m, g)])
+            if r != "unsat":
+                return "unknown", f"{label}: {m}".lstrip(": ")
+    except BudgetSpent:
+        return "unknown", "the check's time budget is spent"
     return "proved", None
 
 
@@ -403,6 +534,10 @@ def check_kv_cap_per_transition(opts: Options) -> Outcome:
 # ---------------------------------------------------------------- (b) KV cap, the whole tick
 
 
+#: The KV ledger's goals of ``model.system_named`` (proved as one group in ``kv_cap_tick``).
+LEDGER_GOALS = ("free_nonnegative", "ledger_consistent", "kv_within_cap", "kv_used_is_sum_held")
+
+
 def _any_policy(R: int, tag: str = "") -> Choices:
     """Every choice a policy (or the isolation layer) can make, as free variables."""
     z3 = _z3()
@@ -436,7 +571,13 @@ def check_kv_cap_tick(opts: Options) -> Outcome:
     bound = (f"up to {R} requests in flight, any cap, chunk, budget, max_running; B = {opts.block_tokens}; "
              f"any policy choice (victim, skipped running requests, admission order, backfill, admission "
              f"after preemption)")
-    status, info = _prove(pre, goals, opts.timeout_s)
+    # Two groups: the KV ledger's goals (free >= 0, the ledger, within the cap, used = sum held:
+    # one equation and its consequences, each proved goal a lemma for the next, which halves
+    # the time), then every other goal on its own (the ledger lemmas slow z3 5.4 down there).
+    ledger = [g for g in goals if g[0] in LEDGER_GOALS]
+    status, info = _prove(pre, ledger, opts.timeout_s, lemmas=True)
+    if status == "proved":
+        status, info = _prove(pre, [g for g in goals if g[0] not in LEDGER_GOALS], opts.timeout_s)
 
     def cex(m: Any, bad: list[str]) -> StateCounterexample:
         values = _cfg_values(m, cfg) | {"free_blocks": _val(m, free)}
@@ -484,7 +625,8 @@ def check_decode_fast_path(opts: Options) -> Outcome:
 class Run:
     """A symbolic bounded run: ``before[t]`` is the state fed to tick ``t`` (after the
     submits before it), ``after[t]`` the state that tick leaves (before the next submits);
-    ``free_before`` / ``free_after`` the free blocks then."""
+    ``free_before`` / ``free_after`` the free blocks then; ``marks[t]``: how many of
+    ``assumptions`` (the requests', then each tick's definitions) unroll ticks ``0..t``."""
 
     cfg: Cfg
     reqs0: list[Req]
@@ -494,6 +636,12 @@ class Run:
     free_after: list[Any]
     results: list[model.TickResult]
     assumptions: list[Any]
+    marks: list[int] = field(default_factory=list)
+
+    def stages(self, goals: Sequence[Sequence[tuple[str, Any]]]) -> list[tuple[str, list, list]]:
+        """``_prove_stages``' stages for ``goals[t]``, goals about ticks ``0..t``: one per depth."""
+        cut = [0, *self.marks]
+        return [(f"depth {t + 1}", self.assumptions[cut[t]:cut[t + 1]], list(g)) for t, g in enumerate(goals)]
 
 
 def unroll(opts: Options, *, fcfs: bool = True) -> Run:
@@ -542,6 +690,7 @@ def unroll(opts: Options, *, fcfs: bool = True) -> Run:
         cur, free = _fresh(res.reqs, res.free_blocks, f"t{t + 1}", asm, var)
         run.after.append(cur)
         run.free_after.append(free)
+        run.marks.append(len(asm))
     return run
 
 
@@ -588,14 +737,16 @@ def _bmc_bound(opts: Options) -> str:
           "and every tick's facts hold (batch kv_blocks_for <= cap, chunk, budget, one token per request); "
           "FCFS, replayable counterexamples")
 def check_kv_cap_bmc(opts: Options) -> Outcome:
+    """One query per depth (``Run.stages``): tick ``t``'s state and facts under the unrolling of
+    ticks ``0..t``."""
     run = unroll(opts)
     bound = _bmc_bound(opts)
-    goals = []
+    goals: list[list[tuple[str, Any]]] = []
     for t in range(1, opts.bmc_depth + 1):
-        goals += [(f"{n} (after tick {t - 1})", g)
-                  for n, g in model.system_named(run.after[t - 1], run.free_after[t - 1], run.cfg)]
-        goals += [(f"{n} (tick {t - 1})", g) for n, g in run.results[t - 1].facts]
-    status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
+        goals.append([(f"{n} (after tick {t - 1})", g)
+                      for n, g in model.system_named(run.after[t - 1], run.free_after[t - 1], run.cfg)]
+                     + [(f"{n} (tick {t - 1})", g) for n, g in run.results[t - 1].facts])
+    status, info = _prove_stages(run.stages(goals), opts.timeout_s)
 
     def cex(m: Any, bad: list[str]) -> Trace:
         tick_of = {b: int(b.rsplit("tick ", 1)[1].rstrip(")")) for b in bad}
@@ -613,12 +764,13 @@ def check_kv_cap_bmc(opts: Options) -> Outcome:
           "T_q = ceil((P_q + M_q - 1) / min(chunk, budget)) + M_q - 1 (fairness assumption: tick() keeps "
           "being called; a request finishes by its max_tokens)")
 def check_no_starvation_fcfs(opts: Options) -> Outcome:
-    """Bounded model checking: only deadlines that fall within the depth are checked."""
+    """Bounded model checking: only deadlines that fall within the depth are checked; one query
+    per depth (``Run.stages``): the deadlines that fall at the end of tick ``t``."""
     run = unroll(opts)
     K, R = opts.bmc_depth, opts.bmc_requests
     chunk = min(opts.bmc_chunk_tokens, opts.bmc_budget_tokens)
     T = [model.fcfs_service_ticks(r.P, r.M, chunk) for r in run.reqs0]
-    goals = []
+    goals: list[list[tuple[str, Any]]] = [[] for _ in range(K)]
     targets = {}
     for j, r in enumerate(run.reqs0):
         for t0 in range(K):
@@ -630,12 +782,12 @@ def check_no_starvation_fcfs(opts: Options) -> Outcome:
                 ever = Or(is_resident(s.st), is_final(s.st), s.pre >= 1)
                 name_a = f"r{j} submitted before tick {t0} admitted by tick {t1 - 1}"
                 name_f = f"r{j} submitted before tick {t0} finished by tick {t1 - 1}"
-                goals.append((name_a, Or(r.arrival != t0, adm_by != t1, ever)))
-                goals.append((name_f, Or(r.arrival != t0, fin_by != t1, is_final(s.st))))
+                goals[t1 - 1].append((name_a, Or(r.arrival != t0, adm_by != t1, ever)))
+                goals[t1 - 1].append((name_f, Or(r.arrival != t0, fin_by != t1, is_final(s.st))))
                 targets[name_a] = (t1, f"r{j} not yet admitted after tick {t1 - 1}", (f"r{j}", "admitted"))
                 targets[name_f] = (t1, f"r{j} not finished after tick {t1 - 1}", (f"r{j}", "finished"))
     bound = _bmc_bound(opts) + "; deadlines beyond the depth are not checked"
-    status, info = _prove(run.assumptions, goals, opts.timeout_s, split=False)
+    status, info = _prove_stages(run.stages(goals), opts.timeout_s)
 
     def cex(m: Any, bad: list[str]) -> Trace:
         ticks, expect, target = targets[bad[0]]
@@ -708,13 +860,20 @@ def run_checks(names: Iterable[str] | None = None, opts: Options | None = None,
     Raises:
         KeyError: an unknown check name.
     """
+    global _deadline
     _load_plugins()
     opts = opts or Options()
     chosen = [CHECKS[n] for n in names] if names else list(CHECKS.values())
     results = []
     for c in chosen:
         t0 = time.perf_counter()
-        outcome = c.run(opts)
+        _deadline = t0 + opts.budget_s
+        try:
+            outcome = c.run(opts)
+        except BudgetSpent:
+            outcome = Outcome("unknown", "", f"the time budget of {opts.budget_s} s is spent")
+        finally:
+            _deadline = None
         r = Result(c.name, c.property, outcome, time.perf_counter() - t0)
         results.append(r)
         if out is not None:
@@ -728,6 +887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spec.verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--list", action="store_true", help="name the checks and exit")
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these checks")
+    p.add_argument("--queries", action="store_true", help="print every z3 query's result and time as it ends")
     defaults = Options()
     scalars = [f.name for f in fields(Options) if isinstance(getattr(defaults, f.name), (int, float))]
     for name in scalars:
@@ -739,10 +899,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{c.name}: {c.property}")
         return 0
     opts = replace(defaults, **{name: getattr(a, name) for name in scalars})
+    global _query_log
+    _query_log = (lambda line: print(line, flush=True)) if a.queries else None
     try:
         results = run_checks(a.only, opts)
     except KeyError as e:
         p.error(f"unknown check {e}; --list names them")
+    finally:
+        _query_log = None
     total = sum(r.time_s for r in results)
     ok = sum(r.proved for r in results)
     print(f"{ok} of {len(results)} checks proved in {total:.1f} s")
