@@ -10,7 +10,8 @@ The checks are a registry (``CHECKS``): add one by decorating a function
 module listed in ``PLUGINS`` (imported when present). The fairness proofs (the VTC counter
 gap and the aging bound) are meant to be added that way.
 
-Every check asks z3 for a counterexample to ``assumptions -> property`` and expects
+Every check but ``lifecycle_table`` (exhaustive over a finite table, ``spec/verify_lifecycle.py``)
+asks z3 for a counterexample to ``assumptions -> property`` and expects
 ``unsat``; each also checks that the assumptions alone are satisfiable (``sat``), so a proof
 cannot hold vacuously.
 
@@ -36,7 +37,7 @@ from spec.logic import And, If, Implies, Not, Or, Sum
 from spec.model import Cfg, Choices, Req
 
 #: Modules that register more checks when imported (skipped when absent).
-PLUGINS: tuple[str, ...] = ("spec.verify_fairness",)
+PLUGINS: tuple[str, ...] = ("spec.verify_fairness", "spec.verify_lifecycle")
 
 CODE_STATE = {v: k for k, v in STATE_CODE.items()} | {ABSENT: "absent"}
 

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from batch.core.backfill import budget_never_binds
+from batch.core.isolation import Isolation
 from conftest import StepClock
 from inference_stub import Request
 from scheduler import DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
@@ -43,6 +45,30 @@ WAITING = lc.WAITING_STATES
 def token_at(rid: str, k: int) -> int:
     """The backend's k-th output token (1-based) for ``rid`` when it is not EOS: in 1..63."""
     return 1 + zlib.crc32(f"{rid}:{k}".encode()) % 63
+
+
+def worst_case_iterations(prompt_tokens: int, max_tokens: int, chunk_tokens: int) -> int:
+    """The most iterations a request can need, across preemptions: recomputing at most
+    ``prompt + max_tokens`` tokens in chunks, then its outputs (the bound's ``L``)."""
+    return -(-(prompt_tokens + max_tokens) // chunk_tokens) + max_tokens
+
+
+def lifecycle_paths() -> dict[str, set[str]]:
+    """State -> the states reachable from it by one or more rows of the lifecycle table."""
+    edges: dict[str, set[str]] = {}
+    for _, sources, dest in lc.TRANSITIONS:
+        for src in sources:
+            edges.setdefault(src, set()).add(dest)
+    paths = {}
+    for start in lc.STATES:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        paths[start] = seen
+    return paths
 
 
 class RecordingBackend:
@@ -78,18 +104,33 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
                 chunk_tokens=st.sampled_from([8, 64]), budget_tokens=st.sampled_from([0, 24]),
-                max_running=st.sampled_from([256, 3]), fcfs=st.booleans())
+                max_running=st.sampled_from([256, 3]), fcfs=st.booleans(), short_bounds=st.booleans())
     def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
-              max_running: int, fcfs: bool) -> None:
+              max_running: int, fcfs: bool, short_bounds: bool) -> None:
         """``budget_tokens=0`` means the default budget (the cache's capacity in tokens);
-        ``fcfs``: FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``), else the defaults."""
+        ``fcfs``: FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``), else the defaults,
+        with ``short_bounds`` the default policy with ``aging_ticks=2`` and ``max_sit_out_ticks=1``
+        (so that runs of a few hundred ticks reach the reservation and the sit-out cap)."""
         self.backend = RecordingBackend(block_tokens)
         self.fcfs = fcfs
+        knobs = fcfs_kwargs() if fcfs else (
+            {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1)} if short_bounds else {})
         self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens, prefill_chunk_tokens=chunk_tokens,
                                token_budget_tokens=budget_tokens or None, max_running=max_running,
-                               backend=self.backend, clock=StepClock(), check_invariants=True,
-                               **(fcfs_kwargs() if fcfs else {}))
-        self.chunk_eff = min(chunk_tokens, self.sched.token_budget_tokens)
+                               backend=self.backend, clock=StepClock(), check_invariants=True, **knobs)
+        s = self.sched
+        self.chunk_eff = min(chunk_tokens, s.token_budget_tokens)
+        # The default policy's admission bound (docs/fairness.md section 4) holds where every
+        # resident request runs in every iteration it does not sit out: the budget never binds.
+        self.wait_bound_applies = not fcfs and budget_never_binds(
+            s.token_budget_tokens, cap_blocks, block_tokens, max_running, chunk_tokens) and (
+            s.isolation is None or s.isolation.iteration_target_s is None)
+        self.sit_out_cap = s.isolation.max_sit_out_ticks if s.isolation is not None else 0
+        self.max_work = 0  # the most iterations any accepted request can need (L), so far
+        self.holder: object | None = None  # the reservation holder, the tick it took it, its bound
+        self.holder_since = self.holder_bound = 0
+        self.seq_of: dict[str, object] = {}  # rid -> the scheduler's record, for the lifecycle check
+        self.state_of: dict[str, str] = {}  # rid -> its state after the last step
         self.charged: dict[str, list[int]] = {}  # user -> [prompt, output] tokens charged this tick
         self.activated: set[str] = set()  # users that became backlogged this tick (a lift may apply)
         if not fcfs:  # record what the scheduler charges VTC, and when a user's counter may be lifted
@@ -139,6 +180,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                         for q, r in self.accepted.items() if q not in self.returned)
             s.submit(req)
             self.accepted[rid] = req
+            self.seq_of[rid] = s._by_obj[id(req)]
+            self.state_of[rid] = lc.QUEUED
+            self.max_work = max(self.max_work, worst_case_iterations(prompt_tokens, max_tokens, self.chunk_eff))
             self.deadline[rid] = self.ticks + older + model.fcfs_service_ticks(prompt_tokens, max_tokens,
                                                                                 self.chunk_eff) - 1
             return
@@ -162,6 +206,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(live), label="rid")
         req = self.accepted[rid]
         assert self.sched.abort(rid if by_id else req) is req
+        assert self.seq_of[rid].state == lc.ABORTED, f"{rid} aborted, in state {self.seq_of[rid].state}"
         self.returned.add(rid)
         g = req.generated
         assert EOS not in g and g == [token_at(rid, k) for k in range(1, len(g) + 1)]
@@ -225,6 +270,46 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert s._reserved is not None, f"{q.request_id} blocked {q.blocked_ticks} ticks, no reservation"
 
     @invariant()
+    def default_policy_admission_bound(self) -> None:
+        """The default policy's no-starvation bound, on the code (``docs/fairness.md`` section 4,
+        proved on the abstraction by ``no_starvation_aging``): with ``T = aging_ticks``,
+        ``K = max_sit_out_ticks`` and ``L`` the most iterations an accepted request can need, no
+        waiting request is the first that does not fit in more than ``admission_wait_bound(T, K,
+        L)`` ticks, and a reservation holder is admitted within ``ticks_to_drain_bound(K, L) + 1``
+        ticks of taking the reservation. Where the token budget can bind the bound does not apply
+        (a resident request may not run for lack of budget); the drain in ``teardown`` remains."""
+        s = self.sched
+        if s is None or not self.wait_bound_applies:
+            return
+        bound = fr.admission_wait_bound(s.aging_ticks, self.sit_out_cap, self.max_work)
+        for q in s._by_obj.values():
+            if q.state in WAITING:
+                assert q.blocked_ticks <= bound, \
+                    f"{q.request_id} was the first not to fit in {q.blocked_ticks} ticks, bound {bound}"
+        h = s._reserved
+        if h is not self.holder:
+            self.holder, self.holder_since = h, self.ticks
+            self.holder_bound = fr.ticks_to_drain_bound(self.sit_out_cap, self.max_work) + 1
+        if h is not None and h.state in WAITING:
+            assert self.ticks - self.holder_since <= self.holder_bound, \
+                f"{h.request_id} has held the reservation {self.ticks - self.holder_since} ticks, bound {self.holder_bound}"
+
+    @invariant()
+    def lifecycle_follows_the_table(self) -> None:
+        """Every state change is a path of ``spec.lifecycle.TRANSITIONS`` (several rows may fire in
+        one tick), a returned request is final, and a final state never changes."""
+        if self.sched is None:
+            return
+        for rid, seq in self.seq_of.items():
+            prev, cur = self.state_of[rid], seq.state
+            if cur != prev:
+                assert prev not in lc.FINAL_STATES, f"{rid} left the final state {prev} for {cur}"
+                assert cur in lifecycle_paths()[prev], f"{rid}: {prev} -> {cur} is no path of the lifecycle table"
+                self.state_of[rid] = cur
+            if rid in self.returned:
+                assert cur in lc.FINAL_STATES, f"{rid} was returned in state {cur}"
+
+    @invariant()
     def fcfs_order_and_deadlines(self) -> None:
         if self.sched is None or not self.fcfs:
             return
@@ -252,6 +337,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = r.request_id
         assert rid in self.accepted and self.accepted[rid] is r, f"{rid} returned but never accepted"
         assert rid not in self.returned, f"{rid} returned twice"
+        assert self.seq_of[rid].state == lc.DONE, f"{rid} returned by tick() in state {self.seq_of[rid].state}"
         self.returned.add(rid)
         g, e = r.generated, self.backend.eos_at.get(rid, 0)
         assert 1 <= len(g) <= r.max_tokens

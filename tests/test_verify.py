@@ -375,3 +375,27 @@ def test_violation_names_the_property_and_the_state(monkeypatch):
     v = e.value
     assert v.property == "resident_covered" and "a: holds 1 blocks for 17 tokens" in str(v)
     assert v.state["running"][0][:2] == ("a", "decoding") and v.state["cap_blocks"] == 8
+
+
+def test_the_lifecycle_table_has_its_properties():
+    assert run("lifecycle_table")["lifecycle_table"].proved
+
+
+@pytest.mark.parametrize("event, sources, dest, names", [
+    ("prefill_done", ("prefilling", "done"), "decoding", "leaves the final state 'done'"),
+    ("preempt", ("prefilling", "decoding"), "queued", "queued"),
+    ("finish", ("queued", "prefilling", "decoding"), "done", "finish: must take exactly the resident states"),
+    ("prefill_done", ("prefilling", "preempted"), "decoding", "without a grant"),
+    ("abort", ("queued", "prefilling", "decoding"), "aborted", "abort: must take every live state"),
+    ("resume", ("queued",), "prefilling", "from preempted: reaches only"),
+])
+def test_a_planted_lifecycle_row_gives_a_counterexample(monkeypatch, event, sources, dest, names):
+    """A wrong row of the table the scheduler's machine is built from (done -> decoding, a
+    preempted request back in the queue, finish before admission, abort that misses a state, no
+    way back from preemption, a preempted request decoding without blocks) is named by ``lifecycle_table``."""
+    from spec import lifecycle as lc  # noqa: PLC0415
+    rows = tuple((e, sources, dest) if e == event else (e, s, d) for e, s, d in lc.TRANSITIONS)
+    monkeypatch.setattr(lc, "TRANSITIONS", rows)
+    out = run("lifecycle_table")["lifecycle_table"].outcome
+    assert out.status == "counterexample"
+    assert any(names in v for v in out.counterexample.violated), out.counterexample.violated
