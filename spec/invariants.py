@@ -30,7 +30,7 @@ __all__ = ["STATE_CODE", "ABSENT", "InvariantViolation", "InvariantChecker", "ch
            "computed_within_known", "resident_has_work", "generated_within_max", "live_below_limits",
            "none_after_eos", "chunk_within_limit", "batch_within_budget", "batch_kv_within_cap",
            "one_forward_per_tick", "one_token_per_tick", "request_invariants", "request_ok", "fcfs_order",
-           "arrival_ordered"]
+           "arrival_ordered", "user_counts_agree"]
 
 #: Integer codes of the lifecycle states (0 is "not submitted yet", used by the models only).
 ABSENT = 0
@@ -75,6 +75,13 @@ def waiting_holds_nothing(held_blocks: Int, num_computed_tokens: Int) -> Bool:
 def final_holds_nothing(held_blocks: Int) -> Bool:
     """A finished or aborted request holds no block (``h = 0``): freed in the same tick."""
     return held_blocks == 0
+
+
+def user_counts_agree(kept: dict[str, int], actual: dict[str, int]) -> bool:
+    """The per-user counts the scheduler keeps (resident, waiting: what isolation and the fair
+    share of the batch read in O(1)) equal the counts of its running list and waiting queue,
+    with no zero entries (a user with none is absent)."""
+    return kept == actual and all(kept.values())
 
 
 # ---------------------------------------------------------------- states
@@ -298,6 +305,11 @@ def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None
         if not state_agrees(STATE_CODE[s.state], w, r, g, s.num_preemptions):
             fail("state_agrees", f"{s.request_id}: state {s.state} but {w}x waiting, {r}x running, g={g}")
         _check_request(fail, s, eos, B, sched.max_model_len_tokens)
+    for kept, rows in (("_resident_by_user", sched.running), ("_waiting_by_user", waiting)):
+        counts = getattr(sched, kept, None)
+        if counts is not None and not user_counts_agree(counts, Counter(s.user_id for s in rows)):
+            fail("user_counts_agree", f"{kept} {dict(counts)}, the {'running list' if 'res' in kept else 'queue'} "
+                                      f"has {dict(Counter(s.user_id for s in rows))}")
 
 
 def _check_request(fail: Callable[[str, str], None], s: Any, eos: int | None, B: int, max_len: int) -> None:

@@ -12,6 +12,11 @@ from spec.logic import And, Max, Min, Or, Sum, cdiv
 
 Int = Any  # a Python int or a z3 integer term
 
+#: The problem's prefill chunk, tokens: long prompts are prefilled in 64-token chunks
+#: (``../shared/mission/seed.md``). ``Scheduler``'s default ``prefill_chunk_tokens`` must be it
+#: (``tests/test_stateful.py`` checks it).
+PREFILL_CHUNK_TOKENS = 64
+
 
 def blocks_for(num_tokens: Int, block_tokens: Int) -> Int:
     """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_tokens)``.

@@ -23,6 +23,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from batch.core.backfill import budget_never_binds
 from batch.core.isolation import Isolation
+from batch.policies.policy import VTCPolicy
 from conftest import StepClock
 from inference_stub import Request
 from scheduler import DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
@@ -39,6 +40,8 @@ DRAIN_SLACK = 4
 EXAMPLES = int(os.environ.get("BATCH_STATEFUL_EXAMPLES", "50"))
 EOS = 0
 USERS = ("a", "b", "c")
+#: ``submit_burst`` runs only while at most this many requests are in flight (keeps runs short).
+MAX_IN_FLIGHT_FOR_BURST = 12
 WAITING = lc.WAITING_STATES
 
 
@@ -103,21 +106,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.step_failed = False  # a step raised: teardown must not tick a broken scheduler
 
     @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
-                chunk_tokens=st.sampled_from([8, 64]), budget_tokens=st.sampled_from([0, 24]),
-                max_running=st.sampled_from([256, 3]), fcfs=st.booleans(), short_bounds=st.booleans())
+                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24]),
+                max_running=st.sampled_from([256, 3]), policy=st.sampled_from(["fcfs", "default", "packed"]),
+                short_bounds=st.booleans())
     def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
-              max_running: int, fcfs: bool, short_bounds: bool) -> None:
-        """``budget_tokens=0`` means the default budget (the cache's capacity in tokens);
-        ``fcfs``: FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``), else the defaults,
-        with ``short_bounds`` the default policy with ``aging_ticks=2`` and ``max_sit_out_ticks=1``
-        (so that runs of a few hundred ticks reach the reservation and the sit-out cap)."""
+              max_running: int, policy: str, short_bounds: bool) -> None:
+        """``chunk_tokens=0`` means the default chunk, which must be the spec's
+        (``rules.PREFILL_CHUNK_TOKENS``, the problem's 64); ``budget_tokens=0`` the default budget
+        (the cache's capacity in tokens).
+        ``policy``: ``fcfs`` is FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``);
+        ``default`` the scheduler's defaults (VTC with isolation, EASY backfilling, the admission
+        headroom, pinning and aging); ``packed`` VTC with plain backfill and no headroom, which
+        packs the cache and so preempts often (the defaults preempt rarely in these programs,
+        and user ``a`` weighs 3, so its share is larger and it is often a light user,
+        and the victim choice would go untested). ``short_bounds``: the VTC policies with
+        ``aging_ticks=2`` and ``max_sit_out_ticks=1`` (so that runs of a few hundred ticks reach
+        the reservation and the sit-out cap)."""
+        self.step_failed = True  # until set up: teardown must not drain a half-built machine
         self.backend = RecordingBackend(block_tokens)
-        self.fcfs = fcfs
+        self.fcfs = fcfs = policy == "fcfs"
         knobs = fcfs_kwargs() if fcfs else (
             {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1)} if short_bounds else {})
-        self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens, prefill_chunk_tokens=chunk_tokens,
+        if policy == "packed":
+            knobs["policy"] = VTCPolicy(backfill=True, admission_headroom=False, easy_backfill=False, weights={"a": 3})
+        if chunk_tokens:
+            knobs["prefill_chunk_tokens"] = chunk_tokens
+        self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens,
                                token_budget_tokens=budget_tokens or None, max_running=max_running,
                                backend=self.backend, clock=StepClock(), check_invariants=True, **knobs)
+        if not chunk_tokens:
+            chunk_tokens = self.sched.prefill_chunk_tokens
+            assert chunk_tokens == rules.PREFILL_CHUNK_TOKENS, \
+                f"the default chunk is {chunk_tokens} tokens, the spec's {rules.PREFILL_CHUNK_TOKENS}"
         s = self.sched
         self.chunk_eff = min(chunk_tokens, s.token_budget_tokens)
         # The default policy's admission bound (docs/fairness.md section 4) holds where every
@@ -147,18 +167,27 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.activated.add(user_id)
                 return activate(user_id, *a, **kw)
 
+            def checked_choose_victim(running):
+                victim = choose_victim(running)
+                self._check_victim(victim, running)
+                return victim
+
+            choose_victim = policy.choose_victim
             policy.on_service, policy._activate = recording_on_service, recording_activate
+            policy.choose_victim = checked_choose_victim
         self.ticks = 0
         self.next_id = 0
         self.accepted: dict[str, Request] = {}
         self.returned: set[str] = set()
         self.deadline: dict[str, int] = {}  # rid -> tick by whose end it must have finished
+        self.step_failed = False
 
     # ------------------------------------------------------------ steps
 
     @rule(user=st.sampled_from(USERS),
           prompt_tokens=st.one_of(st.integers(1, 40), st.integers(41, 300)),
-          max_tokens=st.integers(0, 12), eos_at=st.integers(0, 14))
+          max_tokens=st.one_of(st.integers(0, 12), st.integers(13, 64)),
+          eos_at=st.one_of(st.just(0), st.integers(1, 14), st.integers(15, 70)))
     def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int) -> None:
         """``eos_at``: the output position at which the backend returns EOS (0: never)."""
         s = self.sched
@@ -187,6 +216,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                                                                                 self.chunk_eff) - 1
             return
         assert self._observable() == before, "a refused request changed the scheduler"
+
+    @precondition(lambda self: self.sched is not None and len(self.accepted) - len(self.returned) <= MAX_IN_FLIGHT_FOR_BURST)
+    @rule(user=st.sampled_from(USERS), n=st.integers(2, 8), prompt_tokens=st.integers(1, 40),
+          max_tokens=st.integers(8, 64))
+    def submit_burst(self, user: str, n: int, prompt_tokens: int, max_tokens: int) -> None:
+        """``n`` requests of one user at once, running to ``max_tokens`` (no EOS): the cache fills,
+        requests grow into each other and are preempted (the A/B burst in small). Only while at
+        most ``MAX_IN_FLIGHT_FOR_BURST`` are in flight: every tick checks every request."""
+        for _ in range(n):
+            self.submit(user, prompt_tokens, max_tokens, 0)
 
     @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
     @rule(data=st.data())
@@ -295,6 +334,44 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"{h.request_id} has held the reservation {self.ticks - self.holder_since} ticks, bound {self.holder_bound}"
 
     @invariant()
+    def vtc_admission_order(self) -> None:
+        """The default policy's admission order is VTC's, as the spec states it: every waiting
+        request exactly once; each pick's user is ``vtc_eligible`` (its local counter within the
+        tolerance of the least local counter among users with requests left); outside the drain
+        phase the pick is the oldest arrival among the eligible users' waiting requests; after a
+        pick its user's local counter is charged the request's uncharged prompt at the prompt
+        price (``charged_counter``), so picks interleave users."""
+        s = self.sched
+        if s is None or self.fcfs:
+            return
+        policy = s.policy
+        left: dict[str, list] = {}
+        for q in s._by_obj.values():
+            if q.state in WAITING:
+                left.setdefault(q.user_id, []).append(q)
+        for qs in left.values():
+            qs.sort(key=lambda q: q.arrival_no)
+        local = {u: policy.counter(u) for u in left}
+        tol = policy.tolerance_tokens * fr.COUNTER_SCALE
+        order = list(policy.admission_order())
+        assert sorted(q.arrival_no for q in order) == sorted(q.arrival_no for qs in left.values() for q in qs), \
+            "the admission order is not the waiting requests, each once"
+        for q in order:
+            u = q.user_id
+            least = min(local.values())
+            assert fr.vtc_eligible(local[u], least, tol), \
+                f"{q.request_id} of {u} picked at local counter {local[u]}, least {least}: {local}"
+            if not policy._drain:
+                eligible = [v for v in left if fr.vtc_eligible(local[v], least, tol)]
+                oldest = min((left[v][0] for v in eligible), key=lambda r: r.arrival_no)
+                assert q is oldest, f"picked {q.request_id}, the oldest eligible is {oldest.request_id}"
+            left[u].remove(q)
+            local[u] = fr.charged_counter(local[u], policy.prompt_price * (q.num_prompt_tokens - q.num_prompt_tokens_served),
+                                          policy.weight_of(u))
+            if not left[u]:
+                del left[u], local[u]
+
+    @invariant()
     def lifecycle_follows_the_table(self) -> None:
         """Every state change is a path of ``spec.lifecycle.TRANSITIONS`` (several rows may fire in
         one tick), a returned request is final, and a final state never changes."""
@@ -377,6 +454,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             c = policy.counter(u)
             assert c == expect or (c > expect and u in self.activated), \
                 f"{u}: counter {c}, the spec's charge gives {expect} (served {p} prompt, {o} output)"
+
+    def _check_victim(self, victim, running) -> None:
+        """The victim is first by ``victim_before``: light users (``light_user`` by the KV blocks
+        ``running`` holds) last, then fewest preemptions, fewest computed tokens, latest admitted."""
+        policy = self.sched.policy
+        blocks: dict[str, int] = {}
+        for q in running:
+            blocks[q.user_id] = blocks.get(q.user_id, 0) + len(q.block_table)
+        total, total_w = sum(blocks.values()), sum(policy.weight_of(u) for u in blocks)
+        light = {u for u, b in blocks.items() if fr.light_user(b, policy.weight_of(u), total, total_w)}
+        assert victim in running, "the victim is not a candidate"
+        for q in running:
+            assert not fr.victim_before(q.user_id in light, q.num_preemptions, q.num_computed_tokens, q.admit_no,
+                                        victim.user_id in light, victim.num_preemptions,
+                                        victim.num_computed_tokens, victim.admit_no), \
+                f"victim {victim.request_id}, but {q.request_id} comes before it (light users {sorted(light)})"
 
     def _observable(self) -> tuple:
         s = self.sched
