@@ -120,13 +120,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         packs the cache and so preempts often (the defaults preempt rarely in these programs,
         and user ``a`` weighs 3, so its share is larger and it is often a light user,
         and the victim choice would go untested). ``short_bounds``: the VTC policies with
-        ``aging_ticks=2`` and ``max_sit_out_ticks=1`` (so that runs of a few hundred ticks reach
-        the reservation and the sit-out cap)."""
+        ``aging_ticks=2``, ``max_sit_out_ticks=1`` and ``max_preemptions=1`` (so that runs of a
+        few hundred ticks reach the reservation, the sit-out cap and the preemption cap)."""
         self.step_failed = True  # until set up: teardown must not drain a half-built machine
         self.backend = RecordingBackend(block_tokens)
         self.fcfs = fcfs = policy == "fcfs"
         knobs = fcfs_kwargs() if fcfs else (
-            {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1)} if short_bounds else {})
+            {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1), "max_preemptions": 1} if short_bounds else {})
         if policy == "packed":
             knobs["policy"] = VTCPolicy(backfill=True, admission_headroom=False, easy_backfill=False, weights={"a": 3})
         if chunk_tokens:
