@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: run test test-fast verify bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
+.PHONY: run test test-fast verify mutants bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ test-fast: $(TEST_STAMP)
 verify: $(TEST_STAMP)
 	$(BIN)/python -m spec.verify
 	BATCH_STATEFUL_STEPS=1000 BATCH_STATEFUL_EXAMPLES=100 $(BIN)/python -m pytest -q tests/test_stateful.py
+
+# Plant each bug of tools/mutants.py in a fresh copy of the tree and report which check catches it
+# (docs/mutants.md; ARGS="--scenarios --jobs 2 --only NAME,...").
+mutants: $(TEST_STAMP)
+	$(BIN)/python tools/mutants.py $(ARGS)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench.py $(ARGS)
