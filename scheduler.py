@@ -328,6 +328,8 @@ class Scheduler:
                 if self._checker is not None:  # the trace validator's snapshot (spec.refinement)
                     self._checker.before_tick(self)
                 plan = self.schedule()
+                if self._checker is not None:  # the plan's grants fit (plan_within_free), before any change
+                    self._checker.before_commit(self, plan)
                 journal = self._commit_blocks(plan)
                 self._inflight = (plan, threading.get_ident())
             batch = plan.requests

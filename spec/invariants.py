@@ -30,7 +30,7 @@ __all__ = ["STATE_CODE", "ABSENT", "InvariantViolation", "InvariantChecker", "ch
            "computed_within_known", "resident_has_work", "generated_within_max", "live_below_limits",
            "none_after_eos", "chunk_within_limit", "batch_within_budget", "batch_kv_within_cap",
            "one_forward_per_tick", "one_token_per_tick", "request_invariants", "request_ok", "fcfs_order",
-           "arrival_ordered", "user_counts_agree"]
+           "arrival_ordered", "user_counts_agree", "plan_within_free"]
 
 #: Integer codes of the lifecycle states (0 is "not submitted yet", used by the models only).
 ABSENT = 0
@@ -75,6 +75,12 @@ def waiting_holds_nothing(held_blocks: Int, num_computed_tokens: Int) -> Bool:
 def final_holds_nothing(held_blocks: Int) -> Bool:
     """A finished or aborted request holds no block (``h = 0``): freed in the same tick."""
     return held_blocks == 0
+
+
+def plan_within_free(granted_blocks: Int, free_blocks: Int, freed_blocks: Int) -> Bool:
+    """A plan grants at most the free blocks plus those its victims free (checked before the
+    blocks are committed, so an over-granting plan is named here, not by the pool refusing)."""
+    return granted_blocks <= free_blocks + freed_blocks
 
 
 def user_counts_agree(kept: dict[str, int], actual: dict[str, int]) -> bool:
@@ -361,6 +367,19 @@ class InvariantChecker:
     def before_tick(self, sched: Any) -> None:
         """Called at the start of every tick (before ``schedule()``): the trace validator's snapshot."""
         self.validator.before_tick(sched)
+
+    def before_commit(self, sched: Any, plan: Any) -> None:
+        """Called after ``schedule()``, before its blocks are committed: ``plan_within_free``.
+
+        Raises:
+            InvariantViolation: the plan grants more blocks than are free once its victims' are
+                freed (nothing has changed yet: the tick is not applied).
+        """
+        granted = sum(s.new_blocks for s in plan.batch)
+        freed = sum(len(v.block_table) for v in plan.preempted)
+        if not plan_within_free(granted, sched.pool.num_free, freed):
+            raise InvariantViolation("plan_within_free", f"plan grants {granted} blocks; {sched.pool.num_free} free, "
+                                     f"its victims free {freed}", _summary(sched, self.ticks))
 
     def count_forward(self, backend: Callable[[list], Any]) -> Callable[[list], Any]:
         """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``).

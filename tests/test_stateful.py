@@ -117,18 +117,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         ``policy``: ``fcfs`` is FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``);
         ``default`` the scheduler's defaults (VTC with isolation, EASY backfilling, the admission
         headroom, pinning and aging); ``packed`` VTC with plain backfill and no headroom, which
-        packs the cache and so preempts often (the defaults preempt rarely in these programs,
+        packs the cache and so preempts often, with ``max_preemptions=1`` so that pinned requests
+        sit among the candidates (the defaults preempt rarely in these programs,
         and user ``a`` weighs 3, so its share is larger and it is often a light user,
         and the victim choice would go untested). ``short_bounds``: the VTC policies with
-        ``aging_ticks=2``, ``max_sit_out_ticks=1`` and ``max_preemptions=1`` (so that runs of a
-        few hundred ticks reach the reservation, the sit-out cap and the preemption cap)."""
+        ``aging_ticks=2`` and ``max_sit_out_ticks=1`` (so that runs of a few hundred ticks reach
+        the reservation and the sit-out cap)."""
         self.step_failed = True  # until set up: teardown must not drain a half-built machine
         self.backend = RecordingBackend(block_tokens)
         self.fcfs = fcfs = policy == "fcfs"
         knobs = fcfs_kwargs() if fcfs else (
-            {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1), "max_preemptions": 1} if short_bounds else {})
+            {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1)} if short_bounds else {})
         if policy == "packed":
             knobs["policy"] = VTCPolicy(backfill=True, admission_headroom=False, easy_backfill=False, weights={"a": 3})
+            knobs["max_preemptions"] = 1
         if chunk_tokens:
             knobs["prefill_chunk_tokens"] = chunk_tokens
         self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens,
@@ -149,6 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_work = 0  # the most iterations any accepted request can need (L), so far
         self.holder: object | None = None  # the reservation holder, the tick it took it, its bound
         self.holder_since = self.holder_bound = 0
+        self.blocked: dict[int, int] = {}  # id(record) -> ticks it was the plan's first not to fit, while waiting
         self.seq_of: dict[str, object] = {}  # rid -> the scheduler's record, for the lifecycle check
         self.state_of: dict[str, str] = {}  # rid -> its state after the last step
         self.charged: dict[str, list[int]] = {}  # user -> [prompt, output] tokens charged this tick
@@ -271,6 +274,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert inv.batch_kv_within_cap([self.backend.batch_blocks[-1]], self.sched.kv_cap_blocks)
         for r in finished:
             self._check_finished(r)
+        self._count_blocked()
         self.ticks += 1
 
     @rule(n=st.integers(2, 30))
@@ -305,8 +309,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         for q in s._by_obj.values():
             assert q.num_preemptions <= s.max_preemptions, f"{q.request_id} preempted {q.num_preemptions} times"
-            if q.state in WAITING and q.blocked_ticks >= s.aging_ticks:
-                assert s._reserved is not None, f"{q.request_id} blocked {q.blocked_ticks} ticks, no reservation"
+            blocked = self.blocked.get(id(q), 0)
+            if q.state in WAITING and blocked >= s.aging_ticks:
+                assert s._reserved is not None, f"{q.request_id} blocked {blocked} ticks, no reservation"
 
     @invariant()
     def default_policy_admission_bound(self) -> None:
@@ -322,9 +327,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         bound = fr.admission_wait_bound(s.aging_ticks, self.sit_out_cap, self.max_work)
         for q in s._by_obj.values():
+            blocked = self.blocked.get(id(q), 0)
             if q.state in WAITING:
-                assert q.blocked_ticks <= bound, \
-                    f"{q.request_id} was the first not to fit in {q.blocked_ticks} ticks, bound {bound}"
+                assert blocked <= bound, f"{q.request_id} was the first not to fit in {blocked} ticks, bound {bound}"
         h = s._reserved
         if h is not self.holder:
             self.holder, self.holder_since = h, self.ticks
@@ -455,9 +460,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert c == expect or (c > expect and u in self.activated), \
                 f"{u}: counter {c}, the spec's charge gives {expect} (served {p} prompt, {o} output)"
 
+    def _count_blocked(self) -> None:
+        """Count, from each tick's plan (``plan.blocked``), the ticks a waiting request was the
+        first candidate that did not fit, since it last became resident: the aging checks use
+        this count, not the scheduler's own ``blocked_ticks``, so a scheduler that stops
+        counting cannot switch them off."""
+        plan = self.sched._last_tick[0]
+        b = plan.blocked if plan is not None else None
+        if b is not None and b.state in WAITING:
+            self.blocked[id(b)] = self.blocked.get(id(b), 0) + 1
+        for q in self.sched.running:
+            self.blocked.pop(id(q), None)
+
     def _check_victim(self, victim, running) -> None:
         """The victim is first by ``victim_before``: light users (``light_user`` by the KV blocks
-        ``running`` holds) last, then fewest preemptions, fewest computed tokens, latest admitted."""
+        ``running`` holds) last, then fewest preemptions, fewest computed tokens, latest admitted;
+        and no candidate is pinned (``fr.pinned``: the preemption cap)."""
         policy = self.sched.policy
         blocks: dict[str, int] = {}
         for q in running:
@@ -465,6 +483,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         total, total_w = sum(blocks.values()), sum(policy.weight_of(u) for u in blocks)
         light = {u for u, b in blocks.items() if fr.light_user(b, policy.weight_of(u), total, total_w)}
         assert victim in running, "the victim is not a candidate"
+        cap = self.sched.max_preemptions
+        for q in running:  # pinned requests are never victims: not even offered as candidates
+            assert not fr.pinned(q.num_preemptions, cap), \
+                f"{q.request_id} (preempted {q.num_preemptions} times, cap {cap}) offered as a victim"
         for q in running:
             assert not fr.victim_before(q.user_id in light, q.num_preemptions, q.num_computed_tokens, q.admit_no,
                                         victim.user_id in light, victim.num_preemptions,

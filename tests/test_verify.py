@@ -213,7 +213,7 @@ PLANTS = {
     # dropped guard it is the block pool, which refuses to hand out more than the cap)
     "admission guard dropped": (fr, "can_admit", lambda free, need, headroom: True,
                                 {"kv_cap_per_transition": "kv_within_cap", "kv_cap_tick": "kv_within_cap",
-                                 "kv_cap_bmc": ("kv_within_cap", "batch_kv_within_cap")}, "plan granted"),
+                                 "kv_cap_bmc": ("kv_within_cap", "batch_kv_within_cap")}, "plan_within_free"),
     "growth dropped": (rules, "growth_blocks", lambda held, n, B: 0,
                        {"kv_cap_per_transition": "resident_covered", "kv_cap_tick": "resident_covered",
                         "kv_cap_bmc": "resident_covered"}, "resident_covered"),

@@ -324,6 +324,16 @@ def recording_after_tick(self, sched, plan, finished):
         note("trace", e)
 inv.InvariantChecker.after_tick = recording_after_tick
 
+before_commit = getattr(inv.InvariantChecker, "before_commit", None)
+if before_commit is not None:  # plan_within_free: recorded, then raised (the plan must not be committed)
+    def recording_before_commit(self, sched, plan):
+        try:
+            before_commit(self, sched, plan)
+        except inv.InvariantViolation as e:
+            note("runtime", e)
+            raise
+    inv.InvariantChecker.before_commit = recording_before_commit
+
 end = None
 try:
     test_stateful.run_machine(steps, examples)
@@ -366,7 +376,7 @@ def run_stateful(copy: Path, steps: int, examples: int) -> dict[str, Any]:
     if end is None:
         res["stateful"] = {"caught": False, "detail": ""}
     else:
-        label = "" if end["in_test"] else "crash: "
+        label = "" if end["in_test"] or end["type"] == "InvariantViolation" else "crash: "
         res["stateful"] = {"caught": True, "detail": f"{label}{end['line']} ({end['where']})"}
     return res
 
