@@ -40,8 +40,11 @@ class LiveServer:
 
     def __init__(self, cfg: ServerConfig | None = None, **engine_kw) -> None:
         engine_kw.setdefault("time_scale", 0.05)
-        self.engine, tok, _ = build_engine(**engine_kw)
-        self.app = create_app(self.engine, tok, cfg or ServerConfig())
+        self.engine, tok, name = build_engine(**engine_kw)
+        cfg = cfg or ServerConfig()
+        cfg.model_name = name
+        cfg.seed_by_prompt = engine_kw.get("backend", "sim") == "sim"
+        self.app = create_app(self.engine, tok, cfg)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -276,20 +279,22 @@ def test_full_queue_is_429_with_retry_after():
 
 def test_ab_burst_over_http_b_within_2x_of_alone():
     # The client is `batch bench-serve --ab-burst` in its own process (a client does not share
-    # the server's interpreter), the server this test's. The GPU's iteration is stretched (time
-    # scale 4: 20 ms + 4 ms a request, a real GPU's decode step) so that the HTTP stack's own
-    # cost on a shared 2-core machine does not dominate (docs/server.md has the figures at
-    # scale 1). B's 5 requests alone, then 100 of A and 5 of B at once (workloads.ab_burst's
-    # lengths); once B's first tokens are in, every stream is dropped, which also aborts A's
-    # requests under load.
-    with LiveServer(time_scale=4.0, seed=3) as s:
+    # the server's interpreter), the server this test's. B's 5 requests alone, then 100 of A and
+    # 5 of B at once (workloads.ab_burst's lengths); once B's first tokens are in, every stream
+    # is dropped, which also aborts A's requests under load. The GPU's iteration is stretched
+    # (time scale 10: 50 ms + 10 ms a request) so that the HTTP stack's own cost for a burst of
+    # 105 requests on this shared 2-core machine (about 100 ms, client and server together) does
+    # not dominate; at scale 1 it does (docs/server.md: the server's own ratio stays near 1,
+    # the client's does not). Three seeds, the median of their ratios: one seed's ratio swings
+    # with the machine's load (1.1 to 1.7 seen at this scale).
+    with LiveServer(time_scale=10.0, seed=3) as s:
         out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", s.url,
-                              "--ab-burst", "--ab-seeds", "4", "--ab-drop-after-b", "--json"],
+                              "--ab-burst", "--ab-seeds", "4,5,6", "--ab-drop-after-b", "--json"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
-        row = json.loads(out.stdout)["ab_burst"][0]
+        res = json.loads(out.stdout)
         _assert_idle(s.drained(60))
-    assert row["ratio"] <= 2.0, row
+    assert res["ratio_median"] <= 2.0, res["ab_burst"]  # B's median TTFT ratio, the median over 3 seeds
 
 
 # ---------------------------------------------------------------- the command
@@ -302,3 +307,41 @@ def test_batch_command_dispatch(capsys):
     with pytest.raises(SystemExit) as e:
         commands.main(["serve", "--help"])
     assert e.value.code == 0 and "--time-scale" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the model backend
+
+
+@pytest.mark.slow
+def test_model_backend_over_http_stream_matches_non_stream(tmp_path):
+    # The Hugging Face backend on a local checkpoint folder (tiny seeded Llama + a word-level
+    # tokenizer saved beside it, as --model PATH reads them): text in, text out, greedy, so the
+    # streamed text equals the non-streamed one.
+    pytest.importorskip("torch")
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from batch.backends.model_backend import tiny_llama
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<s>",
+                                                eos_token="</s>")
+    fast.save_pretrained(tmp_path)
+    tiny_llama(seed=0).save_pretrained(tmp_path)
+    with LiveServer(backend="model", model=str(tmp_path)) as s:
+        client = s.openai()
+        assert [m.id for m in client.models.list()] == [tmp_path.name]
+        prompt = "w5 w17 w99 w3"
+        full = client.completions.create(model=tmp_path.name, prompt=prompt, max_tokens=12)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=tmp_path.name, prompt=prompt, max_tokens=12, stream=True))
+        assert streamed == full.choices[0].text and full.usage.prompt_tokens == 4
+        assert all(w.startswith("w") or w in ("[UNK]", "<s>") for w in full.choices[0].text.split())
+        _assert_idle(s.drained())
+    with LiveServer(backend="model") as s:  # no --model: the tiny seeded Llama on UTF-8 bytes
+        client = s.openai()
+        a = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8)
+        b = "".join(c.choices[0].text for c in client.completions.create(model="tiny-llama", prompt="hello",
+                                                                         max_tokens=8, stream=True))
+        assert a.choices[0].text == b and a.usage.prompt_tokens == 5

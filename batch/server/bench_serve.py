@@ -248,12 +248,29 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The engine's mean iteration time and mean inter-token latency between two scrapes, ms."""
+    """The server's side of a run, between two scrapes of ``/metrics``.
+
+    Returns:
+        ``iteration_ms`` (mean wall time of an engine tick with a batch), ``token_iteration_ms``
+        (the same weighted by the tokens each tick produced: per token, its tick's time), ``itl_ms`` (the
+        engine's mean inter-token latency, tick end to tick end), ``tokens`` (output tokens
+        served), ``cpu_per_token_ms`` (server process CPU per token), ``http_cpu_per_token_ms``
+        (the same outside the engine thread: the event loop's HTTP, SSE and hand-over work).
+    """
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
     def mean(name: str) -> float:
-        n = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
-        s = after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)
-        return 1e3 * s / n if n else float("nan")
-    return {"iteration_ms": mean("batch:iteration_seconds"), "itl_ms": mean("batch:inter_token_latency_seconds")}
+        n = delta(f"{name}_count")
+        return 1e3 * delta(f"{name}_sum") / n if n else float("nan")
+
+    tokens = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith("batch:generation_tokens_total"))
+    cpu, engine_cpu = delta("process_cpu_seconds_total"), delta("batch:engine_cpu_seconds_total")
+    n_out = delta("batch:engine_output_tokens_total")
+    return {"iteration_ms": mean("batch:iteration_seconds"), "itl_ms": mean("batch:inter_token_latency_seconds"),
+            "token_iteration_ms": 1e3 * delta("batch:iteration_seconds_per_token_total") / n_out if n_out else math.nan,
+            "tokens": tokens, "cpu_per_token_ms": 1e3 * cpu / tokens if tokens else float("nan"),
+            "http_cpu_per_token_ms": 1e3 * (cpu - engine_cpu) / tokens if tokens else float("nan")}
 
 
 def wait_drained(base_url: str, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -347,7 +364,8 @@ async def ab_phase(base_url: str, seed: int, with_a: bool, window_s: float | Non
 def ab_burst_ratio(base_url: str, seed: int, window_s: float | None = None,
                    drop_after_b: bool = False) -> dict[str, Any]:
     """B alone, then A and B together (``ab_phase``); B's median TTFT (client side, ms) in each
-    and their ratio.
+    and their ratio, and beside them the server's mean TTFT of B (submit to first token on the
+    engine's clock, from ``batch:user_time_to_first_token_seconds``) and its ratio.
 
     Raises:
         RuntimeError: a B request got no first token (refused or failed).
@@ -355,15 +373,28 @@ def ab_burst_ratio(base_url: str, seed: int, window_s: float | None = None,
     out: dict[str, Any] = {"seed": seed}
     for with_a in (False, True):
         wait_drained(base_url)
+        before = scrape(base_url)
         results = asyncio.run(ab_phase(base_url, seed, with_a, window_s, drop_after_b))
         b = [r for r in results if r.job.user.startswith("B-")]
         if not all(r.chunk_s for r in b):
             bad = next(r for r in b if not r.chunk_s)
             raise RuntimeError(f"A/B burst: a B request got no token: {bad.outcome} {bad.detail}")
-        out["b_ttft_ms_with_a" if with_a else "b_ttft_ms_alone"] = 1e3 * statistics.median(r.ttft_s for r in b)
+        key = "b_ttft_ms_with_a" if with_a else "b_ttft_ms_alone"
+        out[key] = 1e3 * statistics.median(r.ttft_s for r in b)
+        out["server_" + key.replace("_ms", "_mean_ms")] = _user_mean_ms(
+            before, scrape(base_url), "batch:user_time_to_first_token_seconds", b[0].job.user)
     out["ratio"] = out["b_ttft_ms_with_a"] / out["b_ttft_ms_alone"]
+    out["server_ratio"] = out["server_b_ttft_mean_ms_with_a"] / out["server_b_ttft_mean_ms_alone"]
     wait_drained(base_url)
     return out
+
+
+def _user_mean_ms(before: dict[str, float], after: dict[str, float], name: str, user: str) -> float:
+    """Mean of a per-user summary between two scrapes, ms (``nan`` without observations)."""
+    k = f'{{user="{user}"}}'
+    n = after.get(f"{name}_count{k}", 0) - before.get(f"{name}_count{k}", 0)
+    s = after.get(f"{name}_sum{k}", 0) - before.get(f"{name}_sum{k}", 0)
+    return 1e3 * s / n if n else float("nan")
 
 
 # ---------------------------------------------------------------- the command line
@@ -423,14 +454,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.ab_burst:
         rows = [ab_burst_ratio(base, int(s), a.ab_window_s, a.ab_drop_after_b) for s in a.ab_seeds.split(",")]
         ratios = [r["ratio"] for r in rows]
-        out = {"ab_burst": rows, "ratio_median": statistics.median(ratios), "ratio_worst": max(ratios)}
+        out = {"ab_burst": rows, "ratio_median": statistics.median(ratios), "ratio_worst": max(ratios),
+               "server_ratio_median": statistics.median(r["server_ratio"] for r in rows),
+               "server_ratio_worst": max(r["server_ratio"] for r in rows)}
         if a.json:
             print(json.dumps(out, indent=2))
         else:
             for r in rows:
                 print(f"A/B burst seed {r['seed']}: B median TTFT {r['b_ttft_ms_with_a']:.1f} ms with A, "
-                      f"{r['b_ttft_ms_alone']:.1f} ms alone: ratio {r['ratio']:.2f}")
-            print(f"ratio median {out['ratio_median']:.2f}, worst {out['ratio_worst']:.2f} over {len(rows)} seed(s)")
+                      f"{r['b_ttft_ms_alone']:.1f} ms alone: ratio {r['ratio']:.2f} (client); server-side B mean "
+                      f"TTFT {r['server_b_ttft_mean_ms_with_a']:.1f} / {r['server_b_ttft_mean_ms_alone']:.1f} ms: "
+                      f"ratio {r['server_ratio']:.2f}")
+            print(f"ratio median {out['ratio_median']:.2f}, worst {out['ratio_worst']:.2f} over {len(rows)} seed(s) "
+                  f"(client); server-side median {out['server_ratio_median']:.2f}, worst {out['server_ratio_worst']:.2f}")
         return 0
 
     if a.trace:
@@ -444,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = summarize(results, duration, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, slo_e2el_ms=a.slo_e2el_ms)
     s["engine"] = engine_figures(before, after)
     s["overhead_per_token_ms"] = s["overall"]["itl_ms"]["mean"] - s["engine"]["itl_ms"]
+    s["itl_minus_iteration_ms"] = s["overall"]["itl_ms"]["mean"] - s["engine"]["token_iteration_ms"]
     status = 0
     lost = s["outcomes"].get("error", 0)
     if a.check_drained:
@@ -467,8 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in ("ttft", "tpot", "itl", "e2el"):
             print("   " + _fmt(k.upper(), lat[f"{k}_ms"]))
     e = s["engine"]
-    print(f"engine: mean iteration {e['iteration_ms']:.3f} ms, engine ITL {e['itl_ms']:.3f} ms; client ITL "
-          f"{s['overall']['itl_ms']['mean']:.3f} ms: overhead per streamed token {s['overhead_per_token_ms']:.3f} ms")
+    print(f"server: mean iteration {e['iteration_ms']:.3f} ms a tick, {e['token_iteration_ms']:.3f} ms a token "
+          f"(token-weighted); engine ITL {e['itl_ms']:.3f} ms; client ITL {s['overall']['itl_ms']['mean']:.3f} ms")
+    print(f"overhead per streamed token: client ITL - engine ITL {s['overhead_per_token_ms']:.3f} ms; client ITL - "
+          f"iteration (token-weighted) {s['itl_minus_iteration_ms']:.3f} ms")
+    print(f"server CPU per streamed token {e['cpu_per_token_ms']:.3f} ms, of which outside the engine thread "
+          f"(HTTP, SSE, hand-over) {e['http_cpu_per_token_ms']:.3f} ms ({e['tokens']:.0f} tokens)")
     if a.check_drained:
         d = s["drained"]
         print("drained: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in d["checks"].items()))

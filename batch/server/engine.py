@@ -228,6 +228,9 @@ class Engine:
         self.snapshot = Snapshot(kv_cap_blocks=scheduler.kv_cap_blocks)
         self.iteration_s_sum = 0.0  # wall seconds in tick() over ticks that ran a batch
         self.iterations = 0
+        self.token_iteration_s = 0.0  # sum over output tokens of the wall time of the tick that made each
+        self.tokens_out = 0
+        self.cpu_s = 0.0  # CPU seconds of the engine thread (time.thread_time), all its work
         self.error: BaseException | None = None  # what ended the thread, if anything did
         self._ids = itertools.count()
         scheduler.on_tokens = self._pairs.extend
@@ -318,13 +321,16 @@ class Engine:
         sched, cmds, pairs, sinks = self.scheduler, self._cmds, self._pairs, self._sinks
         loop = self._loop
         assert loop is not None
-        perf = time.perf_counter
+        perf, cpu = time.perf_counter, time.thread_time
         running = True
+        cpu0 = cpu()
         while running:
             events: list[tuple[TokenSink, TokenEvent]] = []
             if not sched.has_active():
                 self._publish()
+                self.cpu_s += cpu() - cpu0
                 running = self._apply(cmds.get(), events)  # idle: block until there is work
+                cpu0 = cpu()
             while running:  # every queued command before the next tick
                 try:
                     cmd = cmds.get_nowait()
@@ -341,6 +347,8 @@ class Engine:
                 iteration_s = t1 - t0
                 self.iterations += 1
                 self.iteration_s_sum += iteration_s
+                self.tokens_out += len(pairs)
+                self.token_iteration_s += iteration_s * len(pairs)
                 reasons = {id(r): why for r, why in sched.last_finished} if finished else None
                 for req, token in pairs:
                     why = reasons.get(id(req)) if reasons is not None else None
@@ -357,6 +365,9 @@ class Engine:
                             events.append((sink, TokenEvent(None, why, t1)))
                 pairs.clear()
                 self._publish()
+            c = cpu()
+            self.cpu_s += c - cpu0
+            cpu0 = c
             if events:
                 loop.call_soon_threadsafe(self._deliver, events, iteration_s)
         self._abort_all()

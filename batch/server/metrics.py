@@ -12,6 +12,7 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:e2e_request_latency_seconds`` | histogram | submit to last token (finished requests) |
 | ``batch:request_queue_time_seconds`` | histogram | submit to admission (the scheduler's record) |
 | ``batch:iteration_seconds`` | histogram | wall time of one engine tick with a batch (forward included) |
+| ``batch:user_time_to_first_token_seconds{user}`` | summary | per user: TTFT count and sum (the mean) |
 | ``batch:prompt_tokens_total{user}`` | counter | prompt tokens of accepted requests, per user |
 | ``batch:generation_tokens_total{user}`` | counter | output tokens served, per user |
 | ``batch:request_success_total{finished_reason}`` | counter | requests ended: stop, length, error, abort |
@@ -22,12 +23,16 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:kv_cache_blocks_used`` | gauge | KV blocks used |
 | ``batch:requests_in_flight`` | gauge | accepted by the scheduler, not yet finished or aborted |
 | ``batch:num_preemptions_total`` | counter | preemptions by recompute |
+| ``batch:iteration_seconds_per_token_total`` | counter | sum over tokens of their tick's wall time |
+| ``batch:engine_output_tokens_total`` | counter | output tokens the engine produced |
+| ``batch:engine_cpu_seconds_total`` | counter | CPU seconds of the engine thread |
+| ``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ... | | the server process (``prometheus_client``'s) |
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, Counter, Histogram, Summary, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -63,6 +68,13 @@ class _SchedulerCollector:
                                 "Requests accepted by the scheduler and not yet finished or aborted.", snap.in_flight)
         yield CounterMetricFamily("batch:num_preemptions", "Preemptions by recompute.",
                                   self.engine.scheduler.stats.preemptions)
+        yield CounterMetricFamily("batch:iteration_seconds_per_token", "Sum over output tokens of the wall time "
+                                  "of the tick that produced each (divided by the tokens: the token-weighted "
+                                  "iteration time).", self.engine.token_iteration_s)
+        yield CounterMetricFamily("batch:engine_output_tokens", "Output tokens the engine produced.",
+                                  self.engine.tokens_out)
+        yield CounterMetricFamily("batch:engine_cpu_seconds", "CPU seconds of the engine thread (scheduler, "
+                                  "backend's Python, hand-over).", self.engine.cpu_s)
 
 
 class ServerMetrics:
@@ -87,6 +99,8 @@ class ServerMetrics:
                                registry=r)
         self.iteration = Histogram("batch:iteration_seconds", "Wall time of one engine tick with a batch.",
                                    buckets=ITL_BUCKETS, registry=r)
+        self.user_ttft = Summary("batch:user_time_to_first_token_seconds", "Time to first token per user.", ["user"],
+                                 registry=r)
         self.prompt_tokens = Counter("batch:prompt_tokens", "Prompt tokens of accepted requests.", ["user"],
                                      registry=r)
         self.generation_tokens = Counter("batch:generation_tokens", "Output tokens served.", ["user"], registry=r)
@@ -94,6 +108,7 @@ class ServerMetrics:
                                registry=r)
         self.rejected = Counter("batch:request_rejected", "Requests refused, by HTTP status.", ["code"], registry=r)
         r.register(_SchedulerCollector(engine))
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, memory (Linux)
         self.engine = engine
         self._queue_seen = 0
 
@@ -111,6 +126,7 @@ class ServerMetrics:
                 if sink.first_token_s is None:
                     sink.first_token_s = t
                     ttft(t - sink.submitted_s)
+                    self.user_ttft.labels(u).observe(t - sink.submitted_s)
                 else:
                     itl(t - sink.last_token_s)  # type: ignore[operator]
                 sink.last_token_s = t
