@@ -87,19 +87,23 @@ class Result:
 
     @property
     def ttft_s(self) -> float | None:
+        """Send to the first token chunk, seconds (``None`` without a chunk)."""
         return self.chunk_s[0] - self.sent_s if self.chunk_s else None
 
     @property
     def e2el_s(self) -> float:
+        """Send to the end (``[DONE]``, the disconnect or the error), seconds."""
         return self.done_s - self.sent_s
 
     @property
     def itl_s(self) -> list[float]:
+        """Gaps between consecutive token chunks, seconds (``len(chunk_s) - 1`` of them)."""
         c = self.chunk_s
         return [b - a for a, b in zip(c, c[1:])]
 
     @property
     def tpot_s(self) -> float | None:
+        """(e2el - TTFT) / (chunks - 1), seconds (``None`` with fewer than 2 chunks)."""
         n = len(self.chunk_s)
         return (self.done_s - self.chunk_s[0]) / (n - 1) if n > 1 else None
 
