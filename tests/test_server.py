@@ -25,7 +25,10 @@ pytest.importorskip("prometheus_client")
 from batch import commands  # noqa: E402
 from batch.server import bench_serve  # noqa: E402
 from batch.server.app import ServerConfig, create_app  # noqa: E402
+from batch.server.engine import Engine, SeededGPU  # noqa: E402
 from batch.server.serve import build_engine, load_config  # noqa: E402
+from batch.server.tokenizer import WordTokenizer  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
 
 MODEL = "batch-sim"
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,9 +41,12 @@ class LiveServer:
         cfg: the HTTP settings; **engine_kw: ``build_engine`` arguments (``time_scale``, ...).
     """
 
-    def __init__(self, cfg: ServerConfig | None = None, **engine_kw) -> None:
+    def __init__(self, cfg: ServerConfig | None = None, engine=None, **engine_kw) -> None:
         engine_kw.setdefault("time_scale", 0.05)
-        self.engine, tok, name = build_engine(**engine_kw)
+        if engine is None:
+            self.engine, tok, name = build_engine(**engine_kw)
+        else:
+            self.engine, tok, name = engine, WordTokenizer(), MODEL
         cfg = cfg or ServerConfig()
         cfg.model_name = name
         cfg.seed_by_prompt = engine_kw.get("backend", "sim") == "sim"
@@ -272,6 +278,50 @@ def test_full_queue_is_429_with_retry_after():
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
         _assert_idle(s.drained())
         assert _metric(s.url, 'batch:request_rejected_total{code="429"}') == codes.count(429)
+
+
+class _FailingGPU(SeededGPU):
+    """The simulated GPU, failing every iteration whose batch holds a prompt starting with ``BAD``'s id."""
+
+    BAD = WordTokenizer().encode("BAD")[0]
+
+    def forward(self, batch):
+        if any(r.prompt[0] == self.BAD and len(r.prompt) == 3 for r in batch):
+            raise RuntimeError("device fault")
+        return super().forward(batch)
+
+    __call__ = forward  # SimulatedGPU binds __call__ to its own forward
+
+
+def test_backend_failure_fails_the_batch_not_the_server():
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
+                              check_invariants=False))
+    with LiveServer(engine=engine) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "BAD x y", "max_tokens": 5})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        with httpx.stream("POST", f"{s.url}/v1/completions",
+                          json={"prompt": "BAD x y", "max_tokens": 5, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "error"
+        ok = s.openai().completions.create(model=MODEL, prompt="fine", max_tokens=3)  # still serving
+        assert ok.choices[0].finish_reason in ("stop", "length")
+        h = s.drained()
+        _assert_idle(h)
+        # max_backend_tries=3: two failed ticks raise (rolled back, retried), the third fails the batch
+        assert h["backend_errors"] == 4 and "device fault" in h["last_backend_error"]
+        assert h["finish_reasons"]["error"] == 2
+
+
+def test_engine_death_answers_503_and_fails_waiting_requests():
+    with LiveServer() as s:
+        def boom():
+            raise RuntimeError("scheduler bug")
+        s.engine.scheduler.tick = boom
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 503 and "scheduler bug" in r.json()["error"]["message"]
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "error" and not h.json()["engine_alive"]
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
 
 
 # ---------------------------------------------------------------- fairness over HTTP

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batch.server.engine import Engine, SeededGPU, ServedRequest, TokenEvent, TokenSink
+from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -300,7 +300,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
                              "kv_cap_blocks": s.kv_cap_blocks, "active": s.active, "in_flight": s.in_flight,
                              "submitted": s.submitted, "finished": s.finished, "aborted": s.aborted,
                              "refused": s.refused, "finish_reasons": s.finish_reasons, "ticks": s.ticks,
-                             "busy_s": s.busy_s, "http_waiting": srv.waiting},
+                             "busy_s": s.busy_s, "http_waiting": srv.waiting,
+                             "backend_errors": engine.backend_errors,
+                             "last_backend_error": engine.last_backend_error},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -365,9 +367,12 @@ async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body,
         return Response(status_code=499)  # nobody reads it
     final = sink.final
     assert final is not None
-    if final.error is not None:
-        raise ApiError(400 if final.finish_reason == "error" and "engine failed" not in str(final.error) else 503,
-                       str(final.error))
+    if final.error is not None:  # refused by the scheduler (400), or the engine died (503)
+        dead = isinstance(final.error, EngineFailed)
+        raise ApiError(503 if dead else 400, str(final.error), type="service_unavailable" if dead else
+                       "invalid_request_error")
+    if final.finish_reason == "error":
+        raise ApiError(500, "the backend failed on this request's batch (after retries)", type="server_error")
     req = sink.request
     text = srv.tok.decode(req.generated)
     rid, created, model = req.request_id, srv.created, srv.cfg.model_name

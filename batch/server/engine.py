@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 import inference_stub
 from inference_stub import Request
-from scheduler import RequestError, Scheduler
+from scheduler import BackendError, RequestError, Scheduler
 
-__all__ = ["ServedRequest", "SeededGPU", "TokenSink", "Engine", "Snapshot", "TokenEvent"]
+__all__ = ["ServedRequest", "SeededGPU", "TokenSink", "Engine", "EngineFailed", "Snapshot", "TokenEvent"]
 
 
 @dataclass
@@ -184,6 +184,10 @@ class _Abort:
 _STOP = object()
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread died (a scheduler bug); the requests it held get this as their error."""
+
+
 @dataclass
 class EngineCounters:
     """Totals the engine thread keeps (read from other threads for /health; each an int).
@@ -213,6 +217,13 @@ class Engine:
 
     Use ``start(loop)`` once, from the event loop's thread; then ``submit`` / ``abort`` from
     that loop; ``stop()`` ends the thread (requests still in flight are aborted).
+
+    A tick whose backend fails (``BackendError``) is rolled back by the scheduler and retried
+    after ``backend_retry_s``; with ``Scheduler(max_backend_tries=N)`` (``build_engine`` gives
+    3) the N-th consecutive failure fails that batch's requests (finish reason ``"error"``)
+    and the engine goes on. Anything else ``tick()`` raises (a scheduler bug) ends the thread:
+    every waiting request gets an ``"error"`` event, ``error`` holds the exception and
+    ``/health`` answers 503.
     """
 
     def __init__(self, scheduler: Scheduler,
@@ -232,6 +243,9 @@ class Engine:
         self.tokens_out = 0
         self.cpu_s = 0.0  # CPU seconds of the engine thread (time.thread_time), all its work
         self.error: BaseException | None = None  # what ended the thread, if anything did
+        self.backend_errors = 0  # ticks the backend failed (each rolled back, then retried)
+        self.last_backend_error: str | None = None
+        self.backend_retry_s = 0.01  # pause before retrying a failed tick
         self._ids = itertools.count()
         scheduler.on_tokens = self._pairs.extend
 
@@ -342,13 +356,24 @@ class Engine:
             iteration_s = 0.0
             if sched.has_active():
                 t0 = perf()
-                finished = sched.tick()
+                try:
+                    finished = sched.tick()
+                except BackendError as err:  # rolled back: the next tick retries it
+                    self.backend_errors += 1
+                    self.last_backend_error = repr(err)
+                    pairs.clear()
+                    finished = None
                 t1 = perf()
                 iteration_s = t1 - t0
                 self.iterations += 1
                 self.iteration_s_sum += iteration_s
                 self.tokens_out += len(pairs)
                 self.token_iteration_s += iteration_s * len(pairs)
+                if finished is None:
+                    if events:
+                        loop.call_soon_threadsafe(self._deliver, events, 0.0)
+                    time.sleep(self.backend_retry_s)
+                    continue
                 reasons = {id(r): why for r, why in sched.last_finished} if finished else None
                 for req, token in pairs:
                     why = reasons.get(id(req)) if reasons is not None else None
@@ -384,7 +409,7 @@ class Engine:
 
     def _fail_all(self, e: BaseException) -> None:
         """The engine thread died: every waiting client gets an ``error`` event."""
-        events = [(sink, TokenEvent(None, "error", time.perf_counter(), RuntimeError(f"engine failed: {e!r}")))
+        events = [(sink, TokenEvent(None, "error", time.perf_counter(), EngineFailed(f"engine failed: {e!r}")))
                   for sink in self._sinks.values()]
         self._sinks.clear()
         self._send(events)

@@ -112,7 +112,8 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
         raise ValueError("per-user weights need --policy vtc")
     pol = VTCPolicy(weights=weights or {}) if policy == "vtc" else (
         FCFSPolicy() if policy == "fcfs" else RoundRobinPolicy())
-    kw: dict[str, Any] = {"policy": pol, "record_itl": False, "check_invariants": check_invariants}
+    kw: dict[str, Any] = {"policy": pol, "record_itl": False, "check_invariants": check_invariants,
+                          "max_backend_tries": 3}  # a failing backend fails its batch, not the server
     if max_running is not None:
         kw["max_running"] = max_running
     if backend == "sim":
