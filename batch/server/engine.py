@@ -332,12 +332,11 @@ class Engine:
             self._publish()
 
     def _loop_forever(self) -> None:
-        sched, cmds, pairs, sinks = self.scheduler, self._cmds, self._pairs, self._sinks
-        loop = self._loop
+        """Apply every queued command, tick while anything is active, block when idle; hand
+        each round's events to the loop in one ``call_soon_threadsafe``. Ends at stop."""
+        sched, cmds, loop, cpu = self.scheduler, self._cmds, self._loop, time.thread_time
         assert loop is not None
-        perf, cpu = time.perf_counter, time.thread_time
-        running = True
-        cpu0 = cpu()
+        running, cpu0 = True, cpu()
         while running:
             events: list[tuple[TokenSink, TokenEvent]] = []
             if not sched.has_active():
@@ -351,51 +350,51 @@ class Engine:
                 except queue.Empty:
                     break
                 running = self._apply(cmd, events)
-            if not running:
-                break
-            iteration_s = 0.0
-            if sched.has_active():
-                t0 = perf()
-                try:
-                    finished = sched.tick()
-                except BackendError as err:  # rolled back: the next tick retries it
-                    self.backend_errors += 1
-                    self.last_backend_error = repr(err)
-                    pairs.clear()
-                    finished = None
-                t1 = perf()
-                iteration_s = t1 - t0
-                self.iterations += 1
-                self.iteration_s_sum += iteration_s
-                self.tokens_out += len(pairs)
-                self.token_iteration_s += iteration_s * len(pairs)
-                if finished is None:
-                    if events:
-                        loop.call_soon_threadsafe(self._deliver, events, 0.0)
-                    time.sleep(self.backend_retry_s)
-                    continue
-                reasons = {id(r): why for r, why in sched.last_finished} if finished else None
-                for req, token in pairs:
-                    why = reasons.get(id(req)) if reasons is not None else None
-                    sink = sinks.pop(id(req)) if why is not None else sinks.get(id(req))
-                    if sink is not None:
-                        events.append((sink, TokenEvent(token, why, t1)))
-                if reasons is not None:
-                    c = self.counters
-                    for r, why in sched.last_finished:
-                        c.finished += 1
-                        c.by_reason[why] = c.by_reason.get(why, 0) + 1
-                        sink = sinks.pop(id(r), None)  # a finish without a token (the retry policy's "error")
-                        if sink is not None:
-                            events.append((sink, TokenEvent(None, why, t1)))
-                pairs.clear()
-                self._publish()
+            iteration_s = self._tick(events) if running and sched.has_active() else 0.0
             c = cpu()
             self.cpu_s += c - cpu0
             cpu0 = c
             if events:
                 loop.call_soon_threadsafe(self._deliver, events, iteration_s)
         self._abort_all()
+
+    def _tick(self, events: list[tuple[TokenSink, TokenEvent]]) -> float:
+        """Run one tick and append its events (a token per request, a finish reason where one
+        ended). Returns the tick's wall time, seconds; 0.0 after a ``BackendError`` (the
+        scheduler rolled the tick back; this waits ``backend_retry_s`` before the retry)."""
+        sched, pairs, sinks = self.scheduler, self._pairs, self._sinks
+        t0 = time.perf_counter()
+        try:
+            finished = sched.tick()
+        except BackendError as err:
+            self.backend_errors += 1
+            self.last_backend_error = repr(err)
+            pairs.clear()
+            time.sleep(self.backend_retry_s)
+            return 0.0
+        t1 = time.perf_counter()
+        iteration_s = t1 - t0
+        self.iterations += 1
+        self.iteration_s_sum += iteration_s
+        self.tokens_out += len(pairs)
+        self.token_iteration_s += iteration_s * len(pairs)
+        reasons = {id(r): why for r, why in sched.last_finished} if finished else None
+        for req, token in pairs:
+            why = reasons.get(id(req)) if reasons is not None else None
+            sink = sinks.pop(id(req), None) if why is not None else sinks.get(id(req))
+            if sink is not None:
+                events.append((sink, TokenEvent(token, why, t1)))
+        if reasons is not None:
+            c = self.counters
+            for r, why in sched.last_finished:
+                c.finished += 1
+                c.by_reason[why] = c.by_reason.get(why, 0) + 1
+                sink = sinks.pop(id(r), None)  # a finish without a token (the retry policy's "error")
+                if sink is not None:
+                    events.append((sink, TokenEvent(None, why, t1)))
+        pairs.clear()
+        self._publish()
+        return iteration_s
 
     def _abort_all(self) -> None:
         """At stop: abort every live request (blocks freed) and tell its sink."""
