@@ -182,6 +182,7 @@ class _Server:
         return "anonymous"
 
     def check_model(self, model: str | None) -> None:
+        """Raise a 404 ``ApiError`` unless ``model`` is ``None`` or the served name."""
         if model is not None and model != self.cfg.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            type="NotFoundError", param="model")
@@ -272,6 +273,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Start the engine thread on this loop; at shutdown stop it (live requests aborted)."""
         engine.start(asyncio.get_running_loop())
         try:
             yield
@@ -292,6 +294,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """The scheduler's state and the engine's totals (JSON); 503 when the engine is down."""
         s = engine.snapshot
         ok = engine.alive
         return JSONResponse({"status": "ok" if ok else "error", "engine_alive": ok,
@@ -307,15 +310,18 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Every metric in Prometheus' text format (``batch.server.metrics``)."""
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
+        """The one served model, OpenAI's list shape."""
         return JSONResponse({"object": "list", "data": [{"id": cfg.model_name, "object": "model",
                                                          "created": srv.created, "owned_by": "batch"}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        """OpenAI's completions: a ``text_completion`` object, or its chunks as server-sent events."""
         try:
             body = CompletionBody.model_validate(await _json(request))
         except ValidationError as e:
@@ -329,6 +335,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        """OpenAI's chat completions: a ``chat.completion`` object, or ``chat.completion.chunk`` events."""
         try:
             body = ChatBody.model_validate(await _json(request))
         except ValidationError as e:

@@ -58,6 +58,7 @@ class _SchedulerCollector:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        """The gauges and counters of the engine's snapshot, read now."""
         snap = self.engine.snapshot
         yield GaugeMetricFamily("batch:num_requests_running", "Requests resident in the scheduler.", snap.running)
         yield GaugeMetricFamily("batch:num_requests_waiting", "Requests queued or preempted.", snap.waiting)

@@ -24,11 +24,17 @@ class Tokenizer(Protocol):
 
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (EOS and special tokens left out)."""
+        ...
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str: ...
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """One prompt text from ``[{"role", "content"}]`` messages."""
+        ...
 
 
 def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
