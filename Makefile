@@ -6,9 +6,10 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: run test test-fast verify mutants bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
+.PHONY: run serve test test-fast verify mutants bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,8 +18,12 @@ $(RUN_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[sim]'
 	touch $@
 
+$(SERVE_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[serve]'
+	touch $@
+
 $(TEST_STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(PIP) -e '.[sim,dev,model]'
+	$(PIP) -e '.[sim,dev,model,serve]'
 	touch $@
 
 $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
@@ -27,6 +32,10 @@ $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 
 run: $(RUN_STAMP)
 	$(BIN)/python -m batch $(ARGS)
+
+# The HTTP server on the simulated GPU in real time (batch serve; ARGS="--port 9000 --time-scale 0.1").
+serve: $(SERVE_STAMP)
+	$(BIN)/batch serve --port 8000 $(ARGS)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest

@@ -132,6 +132,15 @@ class Scheduler:
             past the aging reservation only under ``spec.fairness_rules.may_pass_reservation``;
             inactive when the token budget may bind: ``backfill.budget_never_binds``).
             ``None``: when the policy asks for it (``VTCPolicy`` does).
+        on_tokens: the per-token output hook, ``on_tokens(pairs) -> None`` or ``None`` (default;
+            also settable later as the attribute ``on_tokens``). After every tick that produced
+            output tokens, ``tick()`` calls it once, on the ticking thread, after the tick was
+            applied and with no scheduler lock held, with ``pairs``: one ``(request, token_id)``
+            per request that received a token in that tick, in batch order (the tokens ``tick()``
+            appended to ``generated``; a finishing request's last token, EOS included, is among
+            them; prefill chunks that produce no token are not). ``tick()``'s return value is
+            unchanged. Whatever the hook raises propagates from ``tick()`` (the tick stays
+            applied). Unset, it costs one local ``None`` test per token.
 
     Raises:
         ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int;
@@ -166,6 +175,7 @@ class Scheduler:
         isolation: Isolation | bool | None = None,
         admission_headroom: bool | None = None,
         easy_backfill: bool | None = None,
+        on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None,
     ) -> None:
         stub = inference_stub
         self.kv_cap_blocks = positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256)
@@ -192,6 +202,10 @@ class Scheduler:
         check_knobs(clock=clock, backend=backend, policy=policy, isolation=isolation, record_itl=record_itl,
                      check_invariants=check_invariants, admission_headroom=admission_headroom,
                      easy_backfill=easy_backfill)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be a callable or None, got {on_tokens!r}")
+        self.on_tokens: Callable[[list[tuple[Request, int]]], None] | None = on_tokens
+        self._tick_tokens: list[tuple[Request, int]] | None = None  # this tick's pairs, for on_tokens
         self.clock: Callable[[], float] = clock or wall_clock
         self._backend = backend
         self.policy: Policy = policy if policy is not None else VTCPolicy()
@@ -370,7 +384,11 @@ class Scheduler:
                 finally:
                     self._tick_end_s = None  # unread if an override skipped the base: not left for a later call
                     self._end_inflight()
-                return finished
+                    pairs, self._tick_tokens = self._tick_tokens, None
+            hook = self.on_tokens
+            if hook is not None and pairs:  # outside the locks: the hook may call abort, submit, metrics
+                hook(pairs)
+            return finished
 
     def abort(self, request: Request | str) -> Request | None:
         """Cancel a request in any live state (queued, prefilling, decoding, preempted).
@@ -553,6 +571,7 @@ class Scheduler:
         produces_token, reached_length = fast(rules.produces_token), fast(rules.reached_length)
         eos, max_len, prefilling = self.eos_token_id, self.max_model_len_tokens, lc.PREFILLING
         itl = self.stats.itl_s if self.stats.record_itl else None
+        pairs: list[tuple[Request, int]] | None = [] if self.on_tokens is not None else None  # the hook's
         prompt_served: dict[str, int] = {}  # user -> first-time prompt tokens this iteration (VTC charges)
         output_users: list[str] = []  # the user of each token produced this iteration
         add_output = output_users.append
@@ -573,8 +592,11 @@ class Scheduler:
             seq.num_computed_tokens = nc + num_new_tokens
             if not produces_token(nc, num_new_tokens, num_tokens):
                 continue
-            generated.append(token if type(token) is int else int(token))
+            token = token if type(token) is int else int(token)
+            generated.append(token)
             add_output(seq.user_id)
+            if pairs is not None:
+                pairs.append((req, token))
             if req.started_at is None:
                 req.started_at = now
             elif itl is not None and seq.last_token_s is not None:
@@ -617,6 +639,7 @@ class Scheduler:
             if plan.batch and iteration_start_s is not None:  # learn the latency of our own forward
                 self.isolation.model.observe(len(plan.batch), plan.num_batched_tokens, now - start_s)
         self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)
+        self._tick_tokens = pairs
         return finished
 
     # ------------------------------------------------------------ reliability: abort, backend faults

@@ -1,0 +1,35 @@
+"""The ``batch`` console script: subcommands.
+
+    batch serve [...]          # the HTTP server (batch.server.serve; needs the 'serve' extra)
+    batch bench-serve [...]    # the HTTP load generator (batch.server.bench_serve)
+    batch sim [...]            # the main job, as batch-sim and python -m batch (batch.cli)
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = "usage: batch {serve,bench-serve,sim} [options]   (batch COMMAND --help for each)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a subcommand; returns its exit status (2 with a usage line for an unknown one)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    cmd, rest = args[0], args[1:]
+    if cmd == "serve":
+        from batch.server.serve import main as run  # noqa: PLC0415 - imported only when asked for
+    elif cmd == "bench-serve":
+        from batch.server.bench_serve import main as run  # noqa: PLC0415
+    elif cmd == "sim":
+        from batch.cli import main as run  # noqa: PLC0415
+    else:
+        print(f"{USAGE}\nbatch: error: unknown command {cmd!r}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,442 @@
+"""The HTTP server: an OpenAI-compatible API on FastAPI over the engine thread.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streaming with
+server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or not), ``GET
+/v1/models``, ``GET /health`` (JSON: the scheduler's state and the engine's totals) and ``GET
+/metrics`` (Prometheus). ``create_app`` builds the app; ``batch serve`` runs it under uvicorn.
+
+Request fields used: ``prompt`` (completions: a string, a list of token ids, or a list of
+exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
+``max_completion_tokens``; default 16), ``stream``, ``stream_options.include_usage``,
+``user``, ``model`` (must be the served name when given). Other OpenAI fields (temperature,
+top_p, ...) are accepted and ignored: decoding is the backend's (the simulated GPU's draw,
+or the model's greedy argmax).
+
+Fairness key (the scheduler's ``user_id``): the body's ``user``; else the API key of an
+``Authorization: Bearer`` header, mapped to a user name by the config's ``api_keys`` when
+listed there, else ``key-`` + the first 12 hex digits of its SHA-256 (the key itself is never
+shown); else ``"anonymous"``.
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+body that is not JSON or fails validation (``param`` names the field), 400 for a prompt that
+can never fit (the message names the limit), 404 for an unknown model or path, 429 with
+``Retry-After`` when ``max_waiting`` requests already wait for their first token, 503 when
+the engine thread is down.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
+from batch.server.metrics import CONTENT_TYPE, ServerMetrics
+from batch.server.tokenizer import IncrementalDecoder, Tokenizer
+
+__all__ = ["ServerConfig", "ApiError", "create_app"]
+
+#: ``max_tokens`` when the body gives none (OpenAI's default for completions).
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class ServerConfig:
+    """What the HTTP layer needs beside the engine.
+
+    Attributes:
+        model_name: the served model's name (``/v1/models``; a request's ``model`` must match).
+        max_waiting: most requests accepted and still waiting for their first token; one more
+            gets 429 (backpressure). >= 1.
+        retry_after_s: the ``Retry-After`` header of a 429, whole seconds.
+        api_keys: API key -> user name (fairness key for requests without ``user``).
+        seed_by_prompt: key the simulated GPU's tokens by the prompt (``SeededGPU``).
+    """
+
+    model_name: str = "batch-sim"
+    max_waiting: int = 2048
+    retry_after_s: int = 1
+    api_keys: dict[str, str] = field(default_factory=dict)
+    seed_by_prompt: bool = True
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's JSON shape.
+
+    Args:
+        status: HTTP status.
+        message: what is wrong (names the limit or field).
+        type: OpenAI's error type (``invalid_request_error``, ...).
+        param: the offending field, or ``None``.
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+
+    def response(self) -> JSONResponse:
+        """The JSON response: ``{"error": {"message", "type", "param", "code"}}``."""
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.status}}, status_code=self.status, headers=self.headers)
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class CompletionBody(_Body):
+    """``/v1/completions``: ``prompt`` is text, token ids, or a list of exactly one of those."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    """``/v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    """The first validation error as a 400 naming the top-level field (``param``)."""
+    err = e.errors()[0]
+    loc = err.get("loc", ())
+    param = str(loc[0]) if loc else None
+    if param == "prompt":
+        msg = "must be a string, a list of token ids, or a list of one of those"
+    else:
+        where = ".".join(str(x) for x in loc[1:])
+        msg = f"{where + ': ' if where else ''}{err.get('msg', 'invalid')}"
+    return ApiError(400, f"{param or 'body'}: {msg}", param=param)
+
+
+def _text_of(m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    return "".join(str(p.get("text", "")) for p in m.content if p.get("type") == "text")
+
+
+# ---------------------------------------------------------------- the app
+
+
+class _Server:
+    """The app's state: engine, tokenizer, metrics, the waiting count."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig) -> None:
+        if cfg.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {cfg.max_waiting}")
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.metrics = ServerMetrics(engine)
+        self.waiting = 0  # accepted, no first token or end yet (event loop only)
+        self.created = int(time.time())
+        self.max_prompt_tokens = engine.scheduler.max_model_len_tokens - 1
+        engine.on_tick = self._on_tick
+        self._model_json = json.dumps(cfg.model_name)
+
+    def _on_tick(self, events: list[tuple[TokenSink, TokenEvent]], iteration_s: float) -> None:
+        for sink, _ in events:
+            if not sink.released:
+                sink.released = True
+                self.waiting -= 1
+        self.metrics.observe_tick(events, iteration_s)
+
+    # ------------------------------------------------------------ request handling
+
+    def user_of(self, body_user: str | None, request: Request) -> str:
+        """The fairness key: ``user``, else the bearer API key's user, else ``anonymous``."""
+        if body_user:
+            return body_user
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            key = auth[7:].strip()
+            if key:
+                return self.cfg.api_keys.get(key) or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        return "anonymous"
+
+    def check_model(self, model: str | None) -> None:
+        """Raise a 404 ``ApiError`` unless ``model`` is ``None`` or the served name."""
+        if model is not None and model != self.cfg.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           type="NotFoundError", param="model")
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of a completion prompt (text or ids; a list of one of them)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: a list of {len(prompt)} prompts; this server takes one per request",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tok.encode(prompt)
+        vocab = self.engine.scheduler.vocab_size
+        for t in prompt:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise ApiError(400, f"prompt: token id {t} outside 0..{'' if vocab is None else vocab - 1}",
+                               param="prompt")
+        return list(prompt)
+
+    def admit(self, ids: list[int], max_tokens: int, user: str, prefix: str, stream: bool) -> TokenSink:
+        """Check a prompt's size and the backpressure; submit to the engine.
+
+        Raises:
+            ApiError: 400 empty or too long a prompt (naming the limit), 429 queue full, 503
+                engine down.
+        """
+        if not self.engine.alive:
+            self.metrics.rejected.labels("503").inc()
+            raise ApiError(503, "the engine is not running", type="service_unavailable")
+        if not ids:
+            self.metrics.rejected.labels("400").inc()
+            raise ApiError(400, "prompt: empty (it must hold at least one token)", param="prompt")
+        if len(ids) > self.max_prompt_tokens:
+            self.metrics.rejected.labels("400").inc()
+            s = self.engine.scheduler
+            raise ApiError(400, f"prompt: {len(ids)} tokens; this server's limit is {self.max_prompt_tokens} prompt "
+                                f"tokens (KV cache {s.kv_cap_blocks} blocks x {s.block_tokens} tokens = "
+                                f"{s.max_model_len_tokens}, one slot kept for the first output token)",
+                           param="prompt")
+        if self.waiting >= self.cfg.max_waiting:
+            self.metrics.rejected.labels("429").inc()
+            raise ApiError(429, f"server busy: {self.waiting} requests already wait for their first token "
+                                f"(max_waiting = {self.cfg.max_waiting}); retry later",
+                           type="rate_limit_error", headers={"Retry-After": str(self.cfg.retry_after_s)})
+        rid = self.engine.next_id(prefix)
+        req = ServedRequest(user_id=user, prompt=ids, max_tokens=max_tokens, request_id=rid,
+                            seed_key=SeededGPU.prompt_key(ids) if self.cfg.seed_by_prompt else "")
+        self.waiting += 1
+        self.metrics.prompt_tokens.labels(user).inc(len(ids))
+        return self.engine.submit(req, stream)
+
+    def abort(self, sink: TokenSink) -> None:
+        """Abort a request whose client went away (no-op if it ended)."""
+        if not sink.done:
+            self.engine.abort(sink)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (or the response is complete: uvicorn says so too)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app over ``engine`` (started by the app's lifespan, stopped at shutdown).
+
+    Args:
+        engine: an ``Engine`` not yet started.
+        tokenizer: text <-> ids for the engine's backend (``batch.server.tokenizer``).
+        cfg: the HTTP layer's settings (``ServerConfig()`` by default).
+
+    Returns:
+        The app; ``app.state.server`` holds its state (``engine``, ``metrics``, ``waiting``).
+    """
+    cfg = cfg or ServerConfig()
+    srv = _Server(engine, tokenizer, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Start the engine thread on this loop; at shutdown stop it (live requests aborted)."""
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="Batch", lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        return ApiError(e.status_code, str(e.detail), type=kind).response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """The scheduler's state and the engine's totals (JSON); 503 when the engine is down."""
+        s = engine.snapshot
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "error", "engine_alive": ok,
+                             "engine_error": None if engine.error is None else repr(engine.error),
+                             "running": s.running, "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used,
+                             "kv_cap_blocks": s.kv_cap_blocks, "active": s.active, "in_flight": s.in_flight,
+                             "submitted": s.submitted, "finished": s.finished, "aborted": s.aborted,
+                             "refused": s.refused, "finish_reasons": s.finish_reasons, "ticks": s.ticks,
+                             "busy_s": s.busy_s, "http_waiting": srv.waiting,
+                             "backend_errors": engine.backend_errors,
+                             "last_backend_error": engine.last_backend_error},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Every metric in Prometheus' text format (``batch.server.metrics``)."""
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        """The one served model, OpenAI's list shape."""
+        return JSONResponse({"object": "list", "data": [{"id": cfg.model_name, "object": "model",
+                                                         "created": srv.created, "owned_by": "batch"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI's completions: a ``text_completion`` object, or its chunks as server-sent events."""
+        try:
+            body = CompletionBody.model_validate(await _json(request))
+        except ValidationError as e:
+            srv.metrics.rejected.labels("400").inc()
+            raise _validation_error(e) from None
+        srv.check_model(body.model)
+        ids = srv.prompt_ids(body.prompt)
+        max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
+        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", body.stream)
+        return await _respond(srv, request, sink, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        """OpenAI's chat completions: a ``chat.completion`` object, or ``chat.completion.chunk`` events."""
+        try:
+            body = ChatBody.model_validate(await _json(request))
+        except ValidationError as e:
+            srv.metrics.rejected.labels("400").inc()
+            raise _validation_error(e) from None
+        srv.check_model(body.model)
+        text = tokenizer.chat_prompt([{"role": m.role, "content": _text_of(m)} for m in body.messages])
+        ids = tokenizer.encode(text)
+        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", body.stream)
+        return await _respond(srv, request, sink, body, chat=True)
+
+    return app
+
+
+def _usage(sink: TokenSink) -> dict[str, int]:
+    n_prompt, n_out = len(sink.request.prompt), len(sink.request.generated)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body, chat: bool) -> Response:
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_stream(srv, sink, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    done_wait = asyncio.ensure_future(sink.finished.wait())
+    try:
+        await asyncio.wait((watch, done_wait), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        done_wait.cancel()
+        if not sink.done:  # the client went away (or the handler was cancelled): free its blocks
+            srv.abort(sink)
+    if not sink.done:
+        return Response(status_code=499)  # nobody reads it
+    final = sink.final
+    assert final is not None
+    if final.error is not None:  # refused by the scheduler (400), or the engine died (503)
+        dead = isinstance(final.error, EngineFailed)
+        raise ApiError(503 if dead else 400, str(final.error), type="service_unavailable" if dead else
+                       "invalid_request_error")
+    if final.finish_reason == "error":
+        raise ApiError(500, "the backend failed on this request's batch (after retries)", type="server_error")
+    req = sink.request
+    text = srv.tok.decode(req.generated)
+    rid, created, model = req.request_id, srv.created, srv.cfg.model_name
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": final.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+        obj = "text_completion"
+    return JSONResponse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                         "usage": _usage(sink)})
+
+
+async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: one ``data:`` chunk per token (events already queued are sent in one write),
+    a last chunk with the finish reason, a usage chunk if asked, then ``data: [DONE]``. If the
+    client goes away, Starlette cancels this generator and ``finally`` aborts the request."""
+    req = sink.request
+    head = (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
+            f'"created":{srv.created},"model":{srv._model_json},"choices":[{{"index":0,')
+    dumps = json.dumps
+
+    def chunk(text: str, reason: str | None) -> str:
+        r = "null" if reason is None else dumps(reason)
+        if chat:
+            return f'{head}"delta":{{"content":{dumps(text)}}},"logprobs":null,"finish_reason":{r}}}]}}\n\n'
+        return f'{head}"text":{dumps(text)},"logprobs":null,"finish_reason":{r}}}]}}\n\n'
+
+    dec = IncrementalDecoder(srv.tok)
+    q = sink.queue
+    try:
+        if chat:
+            yield f'{head}"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}\n\n'
+        final: TokenEvent | None = None
+        while final is None:
+            evs = [await q.get()]
+            while not q.empty():
+                evs.append(q.get_nowait())
+            out = []
+            for ev in evs:
+                if ev.error is not None:
+                    err = {"error": {"message": str(ev.error), "type": "invalid_request_error", "param": None,
+                                     "code": 400}}
+                    out.append(f"data: {dumps(err)}\n\n")
+                    final = ev
+                    break
+                text = dec.push(ev.token) if ev.token is not None else ""
+                if ev.finish_reason is not None:
+                    final = ev
+                    out.append(chunk(text + dec.flush(), ev.finish_reason))
+                    break
+                out.append(chunk(text, None))
+            yield "".join(out)
+        if include_usage:
+            yield (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
+                   f'"created":{srv.created},"model":{srv._model_json},"choices":[],"usage":{dumps(_usage(sink))}}}\n\n')
+        yield "data: [DONE]\n\n"
+    finally:
+        srv.abort(sink)

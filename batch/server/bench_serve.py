@@ -1,0 +1,524 @@
+"""``batch bench-serve``: a load generator for ``batch serve``, after vLLM's ``benchmark_serving``.
+
+    batch bench-serve --num-prompts 500 --request-rate 20 --users 5       # Poisson arrivals
+    batch bench-serve --trace norm_azure2023_conv.csv --limit 300         # a trace's arrivals and lengths
+    batch bench-serve --max-concurrency 64 --num-prompts 2000 --request-rate inf   # 64 streams at a time
+    batch bench-serve --ab-burst --ab-seeds 4,5,6                         # the A/B fairness burst over HTTP
+    batch bench-serve --num-prompts 10000 --disconnect-prob 0.3 --check-drained
+
+Every request streams (``/v1/completions``, ``stream: true``) over ``httpx`` (async). Client
+times, per request: TTFT (send to the first chunk), ITL (between chunks), TPOT ((e2el - TTFT)
+/ (chunks - 1)) and e2el (send to ``[DONE]``); reported per user and overall as mean / p50 /
+p90 / p99 in ms, with goodput (completed requests per second meeting every SLO). Prompts are
+``--prompt-len`` words (one token each under the simulated GPU's tokenizer); a trace gives
+each request's prompt and output lengths.
+
+Beside the client's figures it reads the server's ``/metrics`` before and after the run: the
+engine's mean iteration wall time and its own inter-token latency (tick end to tick end), so
+the server's overhead per streamed token is the client's mean ITL minus the engine's.
+
+``--disconnect-prob p``: each request, with probability p, is closed by the client after a
+uniform random number of chunks (0 .. its max_tokens): a disconnect. ``--check-drained`` then
+waits for the server to drain and checks its ``/health``: no request in flight, no KV block
+held, nothing running or waiting, and every request it accepted finished or aborted.
+
+``--ab-burst`` reproduces the fairness burst of ``batch.sim.workloads.ab_burst`` (100
+requests of user A, 5 of user B, the same lengths), all sent at once (``--ab-window-s`` spreads
+them over their arrival offsets instead), and B's 5 alone, fresh user names for each phase;
+it prints B's median TTFT with A over B's median TTFT alone, per seed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import httpx
+
+__all__ = ["Job", "Result", "run_jobs", "summarize", "ab_burst_ratio", "main"]
+
+
+@dataclass
+class Job:
+    """One request to send.
+
+    Attributes:
+        user: the body's ``user``; prompt_words: prompt length in words; max_tokens: its
+        ``max_tokens``; at_s: send time, seconds from the start; disconnect_after: close the
+        stream after this many chunks (``None``: read to the end); tag: a word mixed into the
+        prompt so that prompts differ.
+    """
+
+    user: str
+    prompt_words: int
+    max_tokens: int
+    at_s: float = 0.0
+    disconnect_after: int | None = None
+    tag: str = ""
+
+
+@dataclass
+class Result:
+    """What the client saw of one request (times in seconds, ``time.perf_counter``).
+
+    Attributes:
+        outcome: ``ok`` (read to ``[DONE]``), ``disconnected`` (closed by us on purpose),
+            ``rejected`` (429), ``error`` (another status or an exception; ``detail`` says).
+        chunk_s: arrival time of every token chunk.
+    """
+
+    job: Job
+    outcome: str = "error"
+    status: int = 0
+    sent_s: float = 0.0
+    headers_s: float = 0.0
+    done_s: float = 0.0
+    chunk_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    detail: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Send to the first token chunk, seconds (``None`` without a chunk)."""
+        return self.chunk_s[0] - self.sent_s if self.chunk_s else None
+
+    @property
+    def e2el_s(self) -> float:
+        """Send to the end (``[DONE]``, the disconnect or the error), seconds."""
+        return self.done_s - self.sent_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive token chunks, seconds (``len(chunk_s) - 1`` of them)."""
+        c = self.chunk_s
+        return [b - a for a, b in zip(c, c[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2el - TTFT) / (chunks - 1), seconds (``None`` with fewer than 2 chunks)."""
+        n = len(self.chunk_s)
+        return (self.done_s - self.chunk_s[0]) / (n - 1) if n > 1 else None
+
+
+def _prompt(job: Job, index: int) -> str:
+    words = [f"w{(index * 7919 + i) % 997}" for i in range(max(job.prompt_words - 1, 0))]
+    return " ".join([job.tag or f"r{index}", *words])
+
+
+async def _one(client: httpx.AsyncClient, base_url: str, job: Job, index: int, model: str | None,
+               res: Result | None = None) -> Result:
+    """Send one job and read its stream into ``res`` (a new ``Result`` if not given: a caller
+    that passes its own sees the chunks arrive)."""
+    res = res if res is not None else Result(job)
+    body: dict[str, Any] = {"prompt": _prompt(job, index), "max_tokens": job.max_tokens, "stream": True,
+                            "user": job.user}
+    if model:
+        body["model"] = model
+    res.sent_s = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+            res.status = r.status_code
+            res.headers_s = time.perf_counter()
+            if r.status_code != 200:
+                await r.aread()
+                res.outcome = "rejected" if r.status_code == 429 else "error"
+                res.detail = r.text[:200]
+                res.done_s = time.perf_counter()
+                return res
+            if job.disconnect_after == 0:
+                res.outcome, res.done_s = "disconnected", time.perf_counter()
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter()
+                if line == "data: [DONE]":
+                    res.outcome, res.done_s = "ok", now
+                    return res
+                if '"error"' in line[:16]:
+                    res.detail = line[6:200]
+                    continue
+                res.chunk_s.append(now)
+                m = _FINISH.search(line)
+                if m:
+                    res.finish_reason = m.group(1)
+                if job.disconnect_after is not None and len(res.chunk_s) >= job.disconnect_after:
+                    res.outcome, res.done_s = "disconnected", time.perf_counter()
+                    return res  # leaving the block closes the connection mid-stream
+            res.detail = "stream ended without [DONE]"
+    except (httpx.HTTPError, OSError) as e:
+        res.detail = f"{type(e).__name__}: {e}"
+    res.done_s = time.perf_counter()
+    return res
+
+
+_FINISH = re.compile(r'"finish_reason":"([a-z]+)"')
+
+
+async def run_jobs(base_url: str, jobs: Sequence[Job], *, max_concurrency: int | None = None,
+                   model: str | None = None) -> tuple[list[Result], float]:
+    """Send ``jobs`` at their ``at_s`` offsets (at most ``max_concurrency`` open at once).
+
+    Returns:
+        ``(results in job order, wall seconds from the first send to the last answer)``.
+    """
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
+        t0 = time.perf_counter()
+
+        async def go(i: int, job: Job) -> Result:
+            delay = t0 + job.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                return await _one(client, base_url, job, i, model)
+            async with sem:
+                return await _one(client, base_url, job, i, model)
+
+        results = await asyncio.gather(*(go(i, j) for i, j in enumerate(jobs)))
+    return list(results), time.perf_counter() - t0
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _spread_ms(xs: Sequence[float]) -> dict[str, float]:
+    return {"mean": 1e3 * statistics.fmean(xs) if xs else float("nan"), "p50": 1e3 * _pct(xs, 50),
+            "p90": 1e3 * _pct(xs, 90), "p99": 1e3 * _pct(xs, 99)}
+
+
+def summarize(results: Sequence[Result], duration_s: float, *, slo_ttft_ms: float = 1000.0,
+              slo_tpot_ms: float = 100.0, slo_e2el_ms: float | None = None) -> dict[str, Any]:
+    """Figures of a run: counts per outcome, throughput, goodput, and per user and overall the
+    TTFT / TPOT / ITL / e2el spreads in ms (completed requests only)."""
+    ok = [r for r in results if r.outcome == "ok"]
+
+    def lat(rs: Sequence[Result]) -> dict[str, Any]:
+        return {"completed": len(rs),
+                "ttft_ms": _spread_ms([r.ttft_s for r in rs if r.ttft_s is not None]),
+                "tpot_ms": _spread_ms([r.tpot_s for r in rs if r.tpot_s is not None]),
+                "itl_ms": _spread_ms([x for r in rs for x in r.itl_s]),
+                "e2el_ms": _spread_ms([r.e2el_s for r in rs])}
+
+    def good(r: Result) -> bool:
+        return ((r.ttft_s or 0) * 1e3 <= slo_ttft_ms and (r.tpot_s or 0) * 1e3 <= slo_tpot_ms
+                and (slo_e2el_ms is None or r.e2el_s * 1e3 <= slo_e2el_ms))
+
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    users = sorted({r.job.user for r in results})
+    n_good = sum(1 for r in ok if good(r))
+    return {"requests": len(results), "outcomes": outcomes, "duration_s": duration_s,
+            "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+            "output_throughput": sum(len(r.chunk_s) for r in ok) / duration_s if duration_s > 0 else 0.0,
+            "goodput": n_good / duration_s if duration_s > 0 else 0.0, "good_requests": n_good,
+            "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "e2el_ms": slo_e2el_ms},
+            "overall": lat(ok), "per_user": {u: lat([r for r in ok if r.job.user == u]) for u in users},
+            "errors": [r.detail for r in results if r.outcome == "error"][:5]}
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """The server's ``/metrics`` as ``{series: value}`` (labels kept in the key)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's side of a run, between two scrapes of ``/metrics``.
+
+    Returns:
+        ``iteration_ms`` (mean wall time of an engine tick with a batch), ``token_iteration_ms``
+        (the same weighted by the tokens each tick produced: per token, its tick's time), ``itl_ms`` (the
+        engine's mean inter-token latency, tick end to tick end), ``tokens`` (output tokens
+        served), ``cpu_per_token_ms`` (server process CPU per token), ``http_cpu_per_token_ms``
+        (the same outside the engine thread: the event loop's HTTP, SSE and hand-over work).
+    """
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def mean(name: str) -> float:
+        n = delta(f"{name}_count")
+        return 1e3 * delta(f"{name}_sum") / n if n else float("nan")
+
+    tokens = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith("batch:generation_tokens_total"))
+    cpu, engine_cpu = delta("process_cpu_seconds_total"), delta("batch:engine_cpu_seconds_total")
+    n_out = delta("batch:engine_output_tokens_total")
+    return {"iteration_ms": mean("batch:iteration_seconds"), "itl_ms": mean("batch:inter_token_latency_seconds"),
+            "token_iteration_ms": 1e3 * delta("batch:iteration_seconds_per_token_total") / n_out if n_out else math.nan,
+            "tokens": tokens, "cpu_per_token_ms": 1e3 * cpu / tokens if tokens else float("nan"),
+            "http_cpu_per_token_ms": 1e3 * (cpu - engine_cpu) / tokens if tokens else float("nan")}
+
+
+def wait_drained(base_url: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll ``/health`` until nothing is in flight (or ``timeout_s``); returns the last answer."""
+    end = time.monotonic() + timeout_s
+    while True:
+        h = httpx.get(f"{base_url}/health", timeout=30).json()
+        if (h["in_flight"] == 0 and not h["active"] and h["http_waiting"] == 0) or time.monotonic() > end:
+            return h
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def poisson_jobs(n: int, rate: float, users: int, seed: int, prompt_len: tuple[int, int],
+                 max_tokens: tuple[int, int], disconnect_prob: float = 0.0) -> list[Job]:
+    """``n`` jobs with Poisson arrivals at ``rate``/s (``inf``: all at t = 0), users
+    ``u1..u<users>`` drawn uniformly, lengths uniform in the given ranges."""
+    rng = random.Random(seed)
+    t, jobs = 0.0, []
+    for i in range(n):
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+        mt = rng.randint(*max_tokens)
+        d = rng.randint(0, mt) if rng.random() < disconnect_prob else None
+        jobs.append(Job(f"u{rng.randint(1, users)}", rng.randint(*prompt_len), mt, t, d, f"s{seed}r{i}"))
+    return jobs
+
+
+def trace_jobs(trace: str, limit: int | None, users: int, seed: int, time_scale: float,
+               trace_dir: str | None) -> list[Job]:
+    """Jobs from a normalised trace (``batch.sim.traces.load_trace``): its arrivals and lengths."""
+    from batch.sim import traces  # noqa: PLC0415
+
+    reqs = traces.load_trace(trace, limit=limit, time_scale=time_scale, users=users, seed=seed, trace_dir=trace_dir)
+    return [Job(r.user_id, len(r.prompt), r.max_tokens, r.submitted_at, None, f"{r.request_id}") for r in reqs]
+
+
+def ab_jobs(seed: int, with_a: bool, window_s: float | None) -> list[Job]:
+    """The A/B burst of ``workloads.ab_burst(seed=seed)`` (100 of A, 5 of B, same lengths):
+    all at t = 0, or at their offsets within ``window_s``; only B's without A. User names carry
+    the seed and the phase, so no phase inherits another's fair-share counters."""
+    from batch.sim.workloads import ab_burst  # noqa: PLC0415
+
+    phase = "with-A" if with_a else "alone"
+    out = []
+    for r in ab_burst(n_a=100, n_b=5, window_s=window_s or 1.0, seed=seed):
+        if r.user_id == "A" and not with_a:
+            continue
+        user = f"{r.user_id}-{phase}-s{seed}"
+        out.append(Job(user, len(r.prompt), r.max_tokens, r.submitted_at if window_s else 0.0, None,
+                       f"{r.request_id}-s{seed}"))
+    return out
+
+
+async def ab_phase(base_url: str, seed: int, with_a: bool, window_s: float | None = None,
+                   drop_after_b: bool = False) -> list[Result]:
+    """Run one phase of the A/B burst (``ab_jobs``); returns every request's ``Result``.
+
+    Args:
+        drop_after_b: once every B request has its first token, drop every stream still open
+            (a disconnect: the server aborts them); their outcome stays ``error`` with no
+            ``done_s``. Otherwise every request is read to its end.
+    """
+    jobs = ab_jobs(seed, with_a, window_s)
+    results = [Result(j) for j in jobs]
+    b = [r for r in results if r.job.user.startswith("B-")]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
+        t0 = time.perf_counter()
+
+        async def go(i: int, job: Job, res: Result) -> Result:
+            delay = t0 + job.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await _one(client, base_url, job, i, None, res)
+
+        tasks = [asyncio.ensure_future(go(i, j, r)) for i, (j, r) in enumerate(zip(jobs, results))]
+        if drop_after_b:
+            while not all(r.chunk_s for r in b):
+                if any(t.done() and r.outcome != "ok" for t, r in zip(tasks, results)):
+                    break
+                await asyncio.sleep(0.002)
+            for t in tasks:
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return results
+
+
+def ab_burst_ratio(base_url: str, seed: int, window_s: float | None = None,
+                   drop_after_b: bool = False) -> dict[str, Any]:
+    """B alone, then A and B together (``ab_phase``); B's median TTFT (client side, ms) in each
+    and their ratio, and beside them the server's mean TTFT of B (submit to first token on the
+    engine's clock, from ``batch:user_time_to_first_token_seconds``) and its ratio.
+
+    Raises:
+        RuntimeError: a B request got no first token (refused or failed).
+    """
+    out: dict[str, Any] = {"seed": seed}
+    for with_a in (False, True):
+        wait_drained(base_url)
+        before = scrape(base_url)
+        results = asyncio.run(ab_phase(base_url, seed, with_a, window_s, drop_after_b))
+        b = [r for r in results if r.job.user.startswith("B-")]
+        if not all(r.chunk_s for r in b):
+            bad = next(r for r in b if not r.chunk_s)
+            raise RuntimeError(f"A/B burst: a B request got no token: {bad.outcome} {bad.detail}")
+        key = "b_ttft_ms_with_a" if with_a else "b_ttft_ms_alone"
+        out[key] = 1e3 * statistics.median(r.ttft_s for r in b)
+        out["server_" + key.replace("_ms", "_mean_ms")] = _user_mean_ms(
+            before, scrape(base_url), "batch:user_time_to_first_token_seconds", b[0].job.user)
+    out["ratio"] = out["b_ttft_ms_with_a"] / out["b_ttft_ms_alone"]
+    out["server_ratio"] = out["server_b_ttft_mean_ms_with_a"] / out["server_b_ttft_mean_ms_alone"]
+    wait_drained(base_url)
+    return out
+
+
+def _user_mean_ms(before: dict[str, float], after: dict[str, float], name: str, user: str) -> float:
+    """Mean of a per-user summary between two scrapes, ms (``nan`` without observations)."""
+    k = f'{{user="{user}"}}'
+    n = after.get(f"{name}_count{k}", 0) - before.get(f"{name}_count{k}", 0)
+    s = after.get(f"{name}_sum{k}", 0) - before.get(f"{name}_sum{k}", 0)
+    return 1e3 * s / n if n else float("nan")
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise ValueError(text)
+    return a, b
+
+
+_range.__name__ = "LO,HI (1 <= LO <= HI)"
+
+
+def _fmt(name: str, s: dict[str, float]) -> str:
+    return f"{name:<6} mean / p50 / p90 / p99 ms  {s['mean']:8.2f} {s['p50']:8.2f} {s['p90']:8.2f} {s['p99']:8.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``batch bench-serve``; returns the exit status (1 when ``--check-drained`` fails or a
+    request was lost, 2 for a bad argument)."""
+    p = argparse.ArgumentParser(prog="batch bench-serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="the body's model (default: none sent)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests open at once")
+    p.add_argument("--users", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=_range, default=(5, 199), help="prompt words LO,HI (default 5,199)")
+    p.add_argument("--max-tokens", type=_range, default=(10, 99), help="max_tokens LO,HI (default 10,99)")
+    p.add_argument("--trace", default=None, help="a normalised trace CSV (batch.sim.traces): arrivals and lengths")
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--limit", type=int, default=None, help="first N trace rows")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival offsets by this")
+    p.add_argument("--disconnect-prob", type=float, default=0.0)
+    p.add_argument("--check-drained", action="store_true", help="after the run, check the server holds nothing")
+    p.add_argument("--ab-burst", action="store_true", help="the A/B fairness burst: B's median TTFT ratio")
+    p.add_argument("--ab-seeds", default="4", help="seeds of the A/B burst, comma-separated (default 4)")
+    p.add_argument("--ab-window-s", type=float, default=None, help="spread the burst over its arrival offsets")
+    p.add_argument("--ab-drop-after-b", action="store_true",
+                   help="drop every stream once B's first tokens are in (a faster run; aborts A's requests)")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--slo-e2el-ms", type=float, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    a = p.parse_args(argv)
+    base = a.base_url.rstrip("/")
+    try:
+        httpx.get(f"{base}/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as e:
+        p.error(f"no server at {base}: {e}")
+
+    if a.ab_burst:
+        rows = [ab_burst_ratio(base, int(s), a.ab_window_s, a.ab_drop_after_b) for s in a.ab_seeds.split(",")]
+        ratios = [r["ratio"] for r in rows]
+        out = {"ab_burst": rows, "ratio_median": statistics.median(ratios), "ratio_worst": max(ratios),
+               "server_ratio_median": statistics.median(r["server_ratio"] for r in rows),
+               "server_ratio_worst": max(r["server_ratio"] for r in rows)}
+        if a.json:
+            print(json.dumps(out, indent=2))
+        else:
+            for r in rows:
+                print(f"A/B burst seed {r['seed']}: B median TTFT {r['b_ttft_ms_with_a']:.1f} ms with A, "
+                      f"{r['b_ttft_ms_alone']:.1f} ms alone: ratio {r['ratio']:.2f} (client); server-side B mean "
+                      f"TTFT {r['server_b_ttft_mean_ms_with_a']:.1f} / {r['server_b_ttft_mean_ms_alone']:.1f} ms: "
+                      f"ratio {r['server_ratio']:.2f}")
+            print(f"ratio median {out['ratio_median']:.2f}, worst {out['ratio_worst']:.2f} over {len(rows)} seed(s) "
+                  f"(client); server-side median {out['server_ratio_median']:.2f}, worst {out['server_ratio_worst']:.2f}")
+        return 0
+
+    if a.trace:
+        jobs = trace_jobs(a.trace, a.limit, a.users, a.seed, a.time_scale, a.trace_dir)
+    else:
+        jobs = poisson_jobs(a.num_prompts, a.request_rate, a.users, a.seed, a.prompt_len, a.max_tokens,
+                            a.disconnect_prob)
+    before = scrape(base)
+    results, duration = asyncio.run(run_jobs(base, jobs, max_concurrency=a.max_concurrency, model=a.model))
+    after = scrape(base)
+    s = summarize(results, duration, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, slo_e2el_ms=a.slo_e2el_ms)
+    s["engine"] = engine_figures(before, after)
+    s["overhead_per_token_ms"] = s["overall"]["itl_ms"]["mean"] - s["engine"]["itl_ms"]
+    s["itl_minus_iteration_ms"] = s["overall"]["itl_ms"]["mean"] - s["engine"]["token_iteration_ms"]
+    status = 0
+    lost = s["outcomes"].get("error", 0)
+    if a.check_drained:
+        h = wait_drained(base)
+        accepted = s["outcomes"].get("ok", 0) + s["outcomes"].get("disconnected", 0)
+        checks = {"no request in flight": h["in_flight"] == 0, "no KV block held": h["kv_blocks_used"] == 0,
+                  "nothing running or waiting": h["running"] == 0 and h["waiting"] == 0,
+                  "accepted = finished + aborted": h["submitted"] == h["finished"] + h["aborted"],
+                  "no client request lost": lost == 0}
+        s["drained"] = {"health": h, "checks": checks, "client_accepted": accepted}
+        status = 0 if all(checks.values()) else 1
+    if a.json:
+        print(json.dumps(s, indent=2))
+        return status
+    print(f"requests {s['requests']}  outcomes {s['outcomes']}  duration {duration:.2f} s")
+    print(f"request throughput {s['request_throughput']:.2f} req/s  output {s['output_throughput']:.1f} tok/s  "
+          f"goodput {s['goodput']:.2f} req/s ({s['good_requests']} within TTFT <= {a.slo_ttft_ms:g} ms, "
+          f"TPOT <= {a.slo_tpot_ms:g} ms{'' if a.slo_e2el_ms is None else f', e2el <= {a.slo_e2el_ms:g} ms'})")
+    for name, lat in [("all", s["overall"]), *s["per_user"].items()]:
+        print(f"-- {name}: {lat['completed']} completed")
+        for k in ("ttft", "tpot", "itl", "e2el"):
+            print("   " + _fmt(k.upper(), lat[f"{k}_ms"]))
+    e = s["engine"]
+    print(f"server: mean iteration {e['iteration_ms']:.3f} ms a tick, {e['token_iteration_ms']:.3f} ms a token "
+          f"(token-weighted); engine ITL {e['itl_ms']:.3f} ms; client ITL {s['overall']['itl_ms']['mean']:.3f} ms")
+    print(f"overhead per streamed token: client ITL - engine ITL {s['overhead_per_token_ms']:.3f} ms; client ITL - "
+          f"iteration (token-weighted) {s['itl_minus_iteration_ms']:.3f} ms")
+    print(f"server CPU per streamed token {e['cpu_per_token_ms']:.3f} ms, of which outside the engine thread "
+          f"(HTTP, SSE, hand-over) {e['http_cpu_per_token_ms']:.3f} ms ({e['tokens']:.0f} tokens)")
+    if a.check_drained:
+        d = s["drained"]
+        print("drained: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in d["checks"].items()))
+        print(f"server: submitted {d['health']['submitted']}, finished {d['health']['finished']}, aborted "
+              f"{d['health']['aborted']}, refused {d['health']['refused']}; client: accepted {d['client_accepted']}")
+    if s["errors"]:
+        print("first errors:", s["errors"])
+    return status

@@ -1,0 +1,200 @@
+"""``batch serve``: build the engine, tokenizer and app from the command line; run uvicorn.
+
+    batch serve --port 8000                              # the simulated GPU in real time
+    batch serve --time-scale 0.05                        # twenty times faster (tests, benchmarks)
+    batch serve --model PATH                             # a Hugging Face checkpoint folder
+    batch serve --config users.toml                      # per-user weights, API key -> user
+
+The config file (JSON, or TOML when its name ends in ``.toml``) has two optional tables:
+``weights`` (user -> int weight >= 1, passed to ``VTCPolicy``) and ``api_keys`` (API key ->
+user name, the fairness key of a request that names no ``user``)::
+
+    [weights]
+    alice = 2
+    [api_keys]
+    "sk-alice-1" = "alice"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import inference_stub
+from batch.policies.policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
+from batch.server.engine import Engine, SeededGPU
+from batch.server.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer
+from scheduler import Scheduler
+
+__all__ = ["UserConfig", "load_config", "build_engine", "main"]
+
+POLICIES = ("vtc", "fcfs", "round-robin")
+
+
+@dataclass
+class UserConfig:
+    """Per-user settings from the config file.
+
+    Attributes:
+        weights: user -> weight (int >= 1) for ``VTCPolicy``.
+        api_keys: API key -> user name.
+    """
+
+    weights: dict[str, int]
+    api_keys: dict[str, str]
+
+
+def load_config(path: str | Path | None) -> UserConfig:
+    """Read a config file: JSON, or TOML (``tomllib``) when the name ends in ``.toml``.
+
+    Raises:
+        ValueError: unreadable, not JSON/TOML, an unknown top-level key, a weight that is not
+            an int >= 1, or an API key or user that is not a non-empty string; the message
+            names the file and the entry.
+        FileNotFoundError: no such file.
+    """
+    if path is None:
+        return UserConfig({}, {})
+    p = Path(path)
+    text = p.read_bytes()
+    try:
+        data = tomllib.loads(text.decode()) if p.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+    if not isinstance(data, dict) or set(data) - {"weights", "api_keys"}:
+        raise ValueError(f"{p}: expected an object with 'weights' and/or 'api_keys', got keys "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    weights, keys = data.get("weights", {}), data.get("api_keys", {})
+    if not isinstance(weights, dict) or not isinstance(keys, dict):
+        raise ValueError(f"{p}: 'weights' and 'api_keys' must be tables (objects)")
+    for u, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"{p}: weight of user {u!r} must be an int >= 1, got {w!r}")
+    for k, u in keys.items():
+        if not (isinstance(k, str) and k and isinstance(u, str) and u):
+            raise ValueError(f"{p}: api_keys entry {k!r} = {u!r}: both must be non-empty strings")
+    return UserConfig(dict(weights), dict(keys))
+
+
+def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: float = 1.0, seed: int = 0,
+                 eos_probability: float = inference_stub.EOS_PROBABILITY, policy: str = "vtc",
+                 weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
+                 max_running: int | None = None, device: str | None = None, dtype: str = "float32",
+                 check_invariants: bool = False) -> tuple[Engine, Tokenizer, str]:
+    """The engine (scheduler + backend) and tokenizer ``batch serve`` runs.
+
+    Args:
+        backend: ``"sim"`` (``SeededGPU``, real time times ``time_scale``, ``WordTokenizer``)
+            or ``"model"`` (``model_backend``: the checkpoint at ``model`` with its own
+            tokenizer, or with ``model=None`` the tiny seeded Llama with ``ByteTokenizer``).
+        time_scale: the simulated GPU's latency factor (> 0; sim only).
+        seed, eos_probability: the simulated GPU's token seed and early-EOS chance.
+        policy: ``vtc`` (with ``weights``), ``fcfs`` or ``round-robin``.
+        kv_cap_blocks, max_running: scheduler knobs (defaults: the stub's 256 blocks, 256).
+        device, dtype: the model backend's.
+        check_invariants: evaluate the spec invariants after every tick (slow; tests).
+
+    Returns:
+        ``(engine, tokenizer, model_name)``.
+
+    Raises:
+        ValueError: a bad knob (the message names it); ``weights`` with a policy other than vtc.
+        FileNotFoundError: ``model`` is not a checkpoint folder.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if weights and policy != "vtc":
+        raise ValueError("per-user weights need --policy vtc")
+    pol = VTCPolicy(weights=weights or {}) if policy == "vtc" else (
+        FCFSPolicy() if policy == "fcfs" else RoundRobinPolicy())
+    kw: dict[str, Any] = {"policy": pol, "record_itl": False, "check_invariants": check_invariants,
+                          "max_backend_tries": 3}  # a failing backend fails its batch, not the server
+    if max_running is not None:
+        kw["max_running"] = max_running
+    if backend == "sim":
+        gpu = SeededGPU(time_scale=time_scale, seed=seed, eos_probability=eos_probability)
+        if kv_cap_blocks is not None:
+            kw["kv_cap_blocks"] = kv_cap_blocks
+        sched = Scheduler(backend=gpu, **kw)
+        return Engine(sched), WordTokenizer(sched.eos_token_id), "batch-sim"
+    if backend != "model":
+        raise ValueError(f"backend must be 'sim' or 'model', got {backend!r}")
+    from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
+
+    mb = model_backend.from_cli(path=model, device=device, dtype=dtype,
+                                num_blocks=kv_cap_blocks or inference_stub.MAX_KV_BLOCKS)
+    sched = mb.make_scheduler(**kw)
+    if model is None:
+        return Engine(sched), ByteTokenizer(mb.eos_token_id), "tiny-llama"
+    from batch.server.tokenizer import HFTokenizer  # noqa: PLC0415
+
+    return Engine(sched), HFTokenizer(model), Path(model).name
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not 0 < v < math.inf:
+        raise ValueError(text)
+    return v
+
+
+_positive_float.__name__ = "finite number > 0"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``batch serve``: parse arguments, build, run uvicorn until interrupted; the exit status.
+
+    Raises:
+        SystemExit: status 2 with a ``batch serve: error: ...`` line for a bad argument or
+            config file.
+    """
+    p = argparse.ArgumentParser(prog="batch serve", description="An OpenAI-compatible HTTP server over Batch.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="a Hugging Face checkpoint folder (implies --backend model)")
+    p.add_argument("--backend", choices=("sim", "model"), default=None,
+                   help="sim: the simulated GPU in real time (default); model: --model, or the tiny seeded Llama")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0,
+                   help="the simulated GPU's iteration latency factor (default 1: 5 ms + 1 ms per request)")
+    p.add_argument("--seed", type=int, default=0, help="the simulated GPU's token seed (default 0)")
+    p.add_argument("--eos-probability", type=float, default=inference_stub.EOS_PROBABILITY,
+                   help="the simulated GPU's early-EOS chance per token (default 0.02)")
+    p.add_argument("--policy", choices=POLICIES, default="vtc")
+    p.add_argument("--config", default=None, help="per-user weights and API keys (JSON, or TOML by .toml)")
+    p.add_argument("--kv-cap-blocks", type=int, default=None, help="KV cache blocks (default 256)")
+    p.add_argument("--max-running", type=int, default=None, help="most resident requests (default 256)")
+    p.add_argument("--max-waiting", type=int, default=2048,
+                   help="most requests waiting for their first token; more get 429 (default 2048)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default=None, help="with --model: torch device")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    try:
+        import uvicorn  # noqa: PLC0415 - the optional 'serve' extra
+
+        from batch.server.app import ServerConfig, create_app  # noqa: PLC0415
+    except ImportError as e:
+        print(f"batch serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
+        return 2
+    backend = a.backend or ("model" if a.model else "sim")
+    try:
+        users = load_config(a.config)
+        engine, tok, name = build_engine(backend=backend, model=a.model, time_scale=a.time_scale, seed=a.seed,
+                                         eos_probability=a.eos_probability, policy=a.policy, weights=users.weights,
+                                         kv_cap_blocks=a.kv_cap_blocks, max_running=a.max_running, device=a.device,
+                                         dtype=a.dtype)
+        cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
+                           api_keys=users.api_keys, seed_by_prompt=backend == "sim")
+        app = create_app(engine, tok, cfg)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        p.error(str(e))
+    print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}) on "
+          f"http://{a.host}:{a.port}", file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    return 0

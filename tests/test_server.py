@@ -1,0 +1,398 @@
+"""``batch serve`` over HTTP (issue 19): uvicorn in a thread on 127.0.0.1, a free port, a fast
+simulated GPU; driven with the official ``openai`` client and raw ``httpx``.
+
+Tests assert behaviour, never timings, except the A/B fairness ratio the issue names.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from batch import commands  # noqa: E402
+from batch.server import bench_serve  # noqa: E402
+from batch.server.app import ServerConfig, create_app  # noqa: E402
+from batch.server.engine import Engine, SeededGPU  # noqa: E402
+from batch.server.serve import build_engine, load_config  # noqa: E402
+from batch.server.tokenizer import WordTokenizer  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+
+MODEL = "batch-sim"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class LiveServer:
+    """``batch serve``'s app under uvicorn in a daemon thread, on a socket bound to a free port.
+
+    Args:
+        cfg: the HTTP settings; **engine_kw: ``build_engine`` arguments (``time_scale``, ...).
+    """
+
+    def __init__(self, cfg: ServerConfig | None = None, engine=None, **engine_kw) -> None:
+        engine_kw.setdefault("time_scale", 0.05)
+        if engine is None:
+            self.engine, tok, name = build_engine(**engine_kw)
+        else:
+            self.engine, tok, name = engine, WordTokenizer(), MODEL
+        cfg = cfg or ServerConfig()
+        cfg.model_name = name
+        cfg.seed_by_prompt = engine_kw.get("backend", "sim") == "sim"
+        self.app = create_app(self.engine, tok, cfg)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health").json()
+
+    def drained(self, timeout_s: float = 20.0) -> dict:
+        """Wait until nothing is in flight; the last ``/health``."""
+        return bench_serve.wait_drained(self.url, timeout_s)
+
+    def openai(self, api_key: str = "test-key") -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with LiveServer(seed=7) as s:
+        yield s
+
+
+def _metric(url: str, series: str) -> float:
+    return bench_serve.scrape(url).get(series, 0.0)
+
+
+def _assert_idle(h: dict) -> None:
+    assert h["in_flight"] == 0 and h["kv_blocks_used"] == 0 and h["running"] == h["waiting"] == 0, h
+    assert h["submitted"] == h["finished"] + h["aborted"], h
+
+
+# ---------------------------------------------------------------- the API
+
+
+def test_models_health_metrics(srv):
+    assert [m.id for m in srv.openai().models.list()] == [MODEL]
+    h = srv.health()
+    assert h["status"] == "ok" and h["engine_alive"] and h["kv_cap_blocks"] == 256
+    text = httpx.get(f"{srv.url}/metrics").text
+    for name in ("batch:time_to_first_token_seconds_bucket", "batch:inter_token_latency_seconds_bucket",
+                 "batch:e2e_request_latency_seconds_bucket", "batch:request_queue_time_seconds_bucket",
+                 "batch:num_requests_running", "batch:num_requests_waiting", "batch:kv_cache_usage_perc",
+                 "batch:requests_in_flight"):
+        assert name in text, name
+
+
+def test_stream_matches_non_stream_with_the_openai_client(srv):
+    client = srv.openai()
+    prompt = "the quick brown fox jumps over the lazy dog"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+    pieces, reasons = [], []
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, stream=True):
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(pieces) == full.choices[0].text != ""
+    assert reasons[-1] == full.choices[0].finish_reason in ("stop", "length") and set(reasons[:-1]) == {None}
+    words = full.choices[0].text.split()
+    assert [p.strip() for p in pieces if p] == words  # one token per chunk, in order
+    assert full.usage.prompt_tokens == 9 and full.usage.completion_tokens >= len(words)
+
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=25)
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=25, stream=True))
+    assert streamed == chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+
+
+def test_raw_sse_format_and_usage(srv):
+    body = {"prompt": "a b c", "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 3
+    tokens = chunks[:-1]
+    assert tokens[-1]["choices"][0]["finish_reason"] is not None
+    assert usage["usage"]["completion_tokens"] == len(tokens)  # one chunk per token, EOS included
+
+
+def test_fairness_key_user_then_api_key_then_anonymous(tmp_path):
+    cfg_file = tmp_path / "users.toml"
+    cfg_file.write_text('[weights]\nalice = 3\n[api_keys]\n"sk-alice" = "alice"\n')
+    users = load_config(cfg_file)
+    assert users.weights == {"alice": 3} and users.api_keys == {"sk-alice": "alice"}
+    with LiveServer(ServerConfig(api_keys=users.api_keys), weights=users.weights) as s:
+        assert s.engine.scheduler.policy.weight_of("alice") == 3
+        s.openai("sk-alice").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")
+        httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        m = bench_serve.scrape(s.url)
+    users_seen = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
+    assert "alice" in users_seen and "carol" in users_seen and "anonymous" in users_seen
+    assert any(u.startswith("key-") and "sk-other" not in u for u in users_seen)  # the key itself never shown
+
+
+def test_config_files(tmp_path):
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"weights": {"a": 2}}))
+    assert load_config(j).weights == {"a": 2}
+    for text, match in (('{"weights": {"a": 0}}', "int >= 1"), ('{"colour": 1}', "expected"), ("{", "JSON")):
+        j.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_config(j)
+
+
+# ---------------------------------------------------------------- disconnects, concurrency
+
+
+def test_disconnect_aborts_and_frees_blocks():
+    with LiveServer(eos_probability=0.0, time_scale=0.2) as s:
+        before = s.health()["aborted"]
+        body = {"prompt": "w " * 300, "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            n = 0
+            for line in r.iter_lines():
+                n += line.startswith("data: ")
+                if n == 3:
+                    assert s.health()["kv_blocks_used"] > 0
+                    break  # leaving the block closes the connection mid-stream
+        # a non-streaming request whose client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", json={"prompt": "z " * 100, "max_tokens": 3000}, timeout=0.3)
+        h = s.drained()
+        _assert_idle(h)
+        assert h["aborted"] == before + 2
+        assert s.engine.scheduler.pool.num_free == s.engine.scheduler.kv_cap_blocks
+        assert _metric(s.url, 'batch:request_success_total{finished_reason="abort"}') == 2
+
+
+def test_concurrent_users(srv):
+    async def go():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+            async def one(i):
+                body = {"prompt": f"user {i % 4} request {i}", "max_tokens": 20, "user": f"cu{i % 4}",
+                        "stream": i % 2 == 0}
+                if body["stream"]:
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                    assert lines[-1] == "data: [DONE]"
+                    return body["user"], len(lines) - 1
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200
+                return body["user"], r.json()["usage"]["completion_tokens"]
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+    before = bench_serve.scrape(srv.url)
+    results = asyncio.run(go())
+    after = bench_serve.scrape(srv.url)
+    for u in ("cu0", "cu1", "cu2", "cu3"):
+        key = f'batch:generation_tokens_total{{user="{u}"}}'
+        assert after[key] - before.get(key, 0) == sum(n for user, n in results if user == u)
+    _assert_idle(srv.drained())
+
+
+# ---------------------------------------------------------------- errors and backpressure
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (b'{"max_tokens": 5}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"),
+    (b'{"prompt": 12}', "prompt"),
+    (b'{"prompt": ["a", "b"]}', "prompt"),
+    (b'{"prompt": "x", "stream": "yes please"}', "stream"),
+    (b'{"prompt": "   "}', "prompt"),
+])
+def test_bad_bodies_get_openai_errors(srv, body, param):
+    r = httpx.post(f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["code"] == 400
+
+
+def test_bad_chat_bodies_and_unknown_model(srv):
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        srv.openai().completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        srv.openai().completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    assert httpx.get(f"{srv.url}/nowhere").json()["error"]["code"] == 404
+
+
+def test_prompt_too_long_is_400_naming_the_limit(srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.openai().completions.create(model=MODEL, prompt="w " * 5000, max_tokens=5)
+    assert e.value.status_code == 400 and "4095" in str(e.value) and "5000" in str(e.value)
+    ok = srv.openai().completions.create(model=MODEL, prompt="w " * 4095, max_tokens=2)  # the limit itself fits
+    assert ok.usage.prompt_tokens == 4095
+
+
+def test_full_queue_is_429_with_retry_after():
+    # max_waiting 1; each prompt needs most of the cache, so only one runs at a time and its
+    # prefill takes 60 ticks: the others wait, and all but one of them are refused at once.
+    with LiveServer(ServerConfig(max_waiting=1), time_scale=1.0) as s:
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json={"prompt": f"p{i} " * 3800,
+                                                                               "max_tokens": 2})
+                                              for i in range(6)))
+        rs = asyncio.run(go())
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(429) >= 1 and set(codes) <= {200, 429} and codes.count(200) >= 1
+        busy = next(r for r in rs if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+        _assert_idle(s.drained())
+        assert _metric(s.url, 'batch:request_rejected_total{code="429"}') == codes.count(429)
+
+
+class _FailingGPU(SeededGPU):
+    """The simulated GPU, failing every iteration whose batch holds a prompt starting with ``BAD``'s id."""
+
+    BAD = WordTokenizer().encode("BAD")[0]
+
+    def forward(self, batch):
+        if any(r.prompt[0] == self.BAD and len(r.prompt) == 3 for r in batch):
+            raise RuntimeError("device fault")
+        return super().forward(batch)
+
+    __call__ = forward  # SimulatedGPU binds __call__ to its own forward
+
+
+def test_backend_failure_fails_the_batch_not_the_server():
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
+                              check_invariants=False))
+    with LiveServer(engine=engine) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "BAD x y", "max_tokens": 5})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        with httpx.stream("POST", f"{s.url}/v1/completions",
+                          json={"prompt": "BAD x y", "max_tokens": 5, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "error"
+        ok = s.openai().completions.create(model=MODEL, prompt="fine", max_tokens=3)  # still serving
+        assert ok.choices[0].finish_reason in ("stop", "length")
+        h = s.drained()
+        _assert_idle(h)
+        # max_backend_tries=3: two failed ticks raise (rolled back, retried), the third fails the batch
+        assert h["backend_errors"] == 4 and "device fault" in h["last_backend_error"]
+        assert h["finish_reasons"]["error"] == 2
+
+
+def test_engine_death_answers_503_and_fails_waiting_requests():
+    with LiveServer() as s:
+        def boom():
+            raise RuntimeError("scheduler bug")
+        s.engine.scheduler.tick = boom
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 503 and "scheduler bug" in r.json()["error"]["message"]
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "error" and not h.json()["engine_alive"]
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+# ---------------------------------------------------------------- fairness over HTTP
+
+
+@pytest.mark.slow
+def test_ab_burst_over_http_b_within_2x_of_alone():
+    # The client is `batch bench-serve --ab-burst` in its own process (a client does not share
+    # the server's interpreter), the server this test's. B's 5 requests alone, then 100 of A and
+    # 5 of B at once (workloads.ab_burst's lengths); once B's first tokens are in, every stream
+    # is dropped, which also aborts A's requests under load. The GPU's iteration is stretched
+    # (time scale 20: 100 ms + 20 ms a request) so that the HTTP stack's own cost for a burst of
+    # 105 requests on this shared 2-core machine (about 100 ms, client and server together) does
+    # not dominate; at scale 1 it does (docs/server.md: there the server's own ratio stays near
+    # 1.3, the client's does not). Five seeds, the median of their ratios: one seed's ratio
+    # swings with the machine's load (0.9 to 1.8 seen at this scale; at scale 10, 1.1 to 2.9).
+    with LiveServer(time_scale=20.0, seed=3) as s:
+        out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", s.url,
+                              "--ab-burst", "--ab-seeds", "4,5,6,7,8", "--ab-drop-after-b", "--json"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout)
+        _assert_idle(s.drained(60))
+    assert res["ratio_median"] <= 2.0, res["ab_burst"]  # B's median TTFT ratio, the median over 3 seeds
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_batch_command_dispatch(capsys):
+    assert commands.main([]) == 2
+    assert commands.main(["bogus"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        commands.main(["serve", "--help"])
+    assert e.value.code == 0 and "--time-scale" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the model backend
+
+
+@pytest.mark.slow
+def test_model_backend_over_http_stream_matches_non_stream(tmp_path):
+    # The Hugging Face backend on a local checkpoint folder (tiny seeded Llama + a word-level
+    # tokenizer saved beside it, as --model PATH reads them): text in, text out, greedy, so the
+    # streamed text equals the non-streamed one.
+    pytest.importorskip("torch")
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from batch.backends.model_backend import tiny_llama
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<s>",
+                                                eos_token="</s>")
+    fast.save_pretrained(tmp_path)
+    tiny_llama(seed=0).save_pretrained(tmp_path)
+    with LiveServer(backend="model", model=str(tmp_path)) as s:
+        client = s.openai()
+        assert [m.id for m in client.models.list()] == [tmp_path.name]
+        prompt = "w5 w17 w99 w3"
+        full = client.completions.create(model=tmp_path.name, prompt=prompt, max_tokens=12)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=tmp_path.name, prompt=prompt, max_tokens=12, stream=True))
+        assert streamed == full.choices[0].text and full.usage.prompt_tokens == 4
+        assert all(w.startswith("w") or w in ("[UNK]", "<s>") for w in full.choices[0].text.split())
+        _assert_idle(s.drained())
+    with LiveServer(backend="model") as s:  # no --model: the tiny seeded Llama on UTF-8 bytes
+        client = s.openai()
+        a = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8)
+        b = "".join(c.choices[0].text for c in client.completions.create(model="tiny-llama", prompt="hello",
+                                                                         max_tokens=8, stream=True))
+        assert a.choices[0].text == b and a.usage.prompt_tokens == 5
