@@ -17,7 +17,6 @@ the z3 proofs check.
 """
 from __future__ import annotations
 
-import collections
 import sys
 import threading
 import time
@@ -30,7 +29,9 @@ from batch.core.backfill import Shadow, WorstCaseProfile
 from batch.core.isolation import Isolation
 from batch.core.kv_cache import BlockPool
 from batch.core.metrics import MetricsRecorder
-from batch.core.plan import ScheduledSeq, SchedulePlan
+from batch.core.book import RequestBook
+from batch.core.output import OutputStep
+from batch.core.plan import MACHINE, ScheduledSeq, SchedulePlan  # noqa: F401 (MACHINE: the shared lifecycle machine)
 from batch.core.plan import Seq as _Seq
 from batch.core.running import schedule_running
 from batch.core.validation import (BackendError, DuplicateRequestError, InvalidRequestError,  # noqa: F401 (exported)
@@ -39,9 +40,7 @@ from batch.core.validation import (BackendError, DuplicateRequestError, InvalidR
 from batch.policies.policy import Policy, VTCPolicy
 from inference_stub import Request
 from spec import fairness_rules as fr
-from spec import lifecycle as lc
 from spec import rules
-from spec.concrete import fast
 from spec.invariants import InvariantChecker, InvariantViolation
 
 __all__ = ["Scheduler", "SchedulePlan", "ScheduledSeq", "RequestError", "InvalidRequestError",
@@ -59,10 +58,6 @@ MAX_PREEMPTIONS = 4
 #: Default aging bound: ticks as the first waiting request that does not fit, then it holds the
 #: reservation (``spec.fairness_rules.reserved_after``).
 AGING_TICKS = 32
-
-#: The one shared lifecycle machine; records are never registered with it.
-MACHINE = lc.new_machine()
-_EVENTS = MACHINE.events
 
 
 def wall_clock() -> float:
@@ -82,7 +77,7 @@ def forward(batch: list[Request]) -> list[int]:
 # ---------------------------------------------------------------- the scheduler
 
 
-class Scheduler:
+class Scheduler(RequestBook, OutputStep):
     """Iteration-level scheduler with chunked prefill, a KV block cap and preemption by recompute.
 
     All arguments are keyword-only and optional; defaults come from the ``inference_stub``
@@ -499,231 +494,6 @@ class Scheduler:
             self.isolation.refine(d, self)
         return d.freeze(self.token_budget_tokens)  # 4. the plan
 
-    def _commit_blocks(self, plan: SchedulePlan) -> list[tuple[_Seq, list[int]]]:
-        """Before ``forward``: free the victims' blocks and grant the plan's blocks.
-
-        Afterwards every request in ``plan.batch`` holds its final block table for this
-        iteration (what a paged backend reads). Returns the undo journal for
-        ``_rollback_blocks``: ``(seq, block table before)`` per changed request.
-        """
-        journal: list[tuple[_Seq, list[int]]] = []
-        for seq in plan.preempted:
-            journal.append((seq, seq.block_table))
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-        for s in plan.batch:
-            if s.new_blocks:
-                blocks = self.pool.allocate(s.new_blocks)
-                if blocks is None:  # schedule() budgets free blocks exactly; this is a bug
-                    self._rollback_blocks(journal)
-                    raise AssertionError(f"plan granted {s.new_blocks} blocks, {self.pool.num_free} free")
-                journal.append((s.seq, s.seq.block_table))
-                s.seq.block_table = s.seq.block_table + blocks
-        return journal
-
-    def _rollback_blocks(self, journal: list[tuple[_Seq, list[int]]]) -> None:
-        """Undo ``_commit_blocks``: return granted blocks, give victims back their exact block ids."""
-        for seq, before in reversed(journal):  # grants come after preemptions: undo them first
-            current = seq.block_table
-            if len(current) > len(before):
-                self.pool.free(current[len(before):])  # a grant: return the added tail
-            else:
-                self.pool.reclaim(before)  # a victim: its exact block ids are free again
-            seq.block_table = before
-
-    def update_from_output(self, plan: SchedulePlan, tokens: Sequence[int], *,
-                           iteration_start_s: float | None = None) -> list[Request]:
-        """Apply a plan whose iteration returned ``tokens`` (one per ``plan.batch`` entry).
-
-        Expects ``_commit_blocks(plan)`` to have run (``tick()`` does both). Moves the
-        preempted to the waiting queue, admits, advances ``num_computed_tokens``, appends the token of every
-        request whose last known token was computed (others' tokens are discarded prefill
-        output), stamps ``started_at`` at the first token, and finishes requests on EOS
-        (reason ``stop``), ``max_tokens`` or the cache length (reason ``length``), freeing
-        their blocks in the same tick.
-
-        Args:
-            plan: the plan ``schedule()`` returned, with no state change since.
-            tokens: ``len(plan.batch)`` token ids from ``forward``.
-            iteration_start_s: clock reading before ``forward`` (admission time for queue-time
-                metrics); defaults to the clock now.
-
-        Token and completion times are the clock now, or the reading ``tick()`` took right
-        before calling (so that a clock that raises there leaves the tick undone).
-
-        Returns:
-            The requests finished in this iteration, in batch order.
-        """
-        now, self._tick_end_s = (self.clock() if self._tick_end_s is None else self._tick_end_s), None
-        start_s = now if iteration_start_s is None else iteration_start_s
-        pool = self.pool
-        tick_no = self.stats.ticks
-        for seq in plan.preempted:  # blocks were freed by _commit_blocks
-            seq.num_computed_tokens = 0
-            seq.num_preemptions += 1
-            _EVENTS["preempt"].trigger(seq)
-            self.policy.requeue(seq)
-            self.stats.preemptions += 1
-            self._leave_resident(seq)
-            self._waiting_by_user[seq.user_id] = self._waiting_by_user.get(seq.user_id, 0) + 1
-        gone = set(plan.preempted)
-        finished: list[Request] = []
-        produces_token, reached_length = fast(rules.produces_token), fast(rules.reached_length)
-        eos, max_len, prefilling = self.eos_token_id, self.max_model_len_tokens, lc.PREFILLING
-        itl = self.stats.itl_s if self.stats.record_itl else None
-        pairs: list[tuple[Request, int]] | None = [] if self.on_tokens is not None else None  # the hook's
-        prompt_served: dict[str, int] = {}  # user -> first-time prompt tokens this iteration (VTC charges)
-        output_users: list[str] = []  # the user of each token produced this iteration
-        add_output = output_users.append
-        new_prompt_tokens, prompt_high_water = fast(fr.new_prompt_tokens), fast(fr.prompt_high_water)
-        for (seq, num_new_tokens, _, admitted), token in zip(plan.batch, tokens):
-            if admitted:
-                self._admit(seq, tick_no, start_s)
-            nc = seq.num_computed_tokens
-            num_prompt = seq.num_prompt_tokens
-            req = seq.req
-            generated = req.generated
-            num_tokens = num_prompt + len(generated)
-            if nc < num_prompt:  # a prompt chunk: charged once per request
-                part = new_prompt_tokens(nc, num_new_tokens, num_prompt, seq.num_prompt_tokens_served)
-                prompt_served[seq.user_id] = prompt_served.get(seq.user_id, 0) + part
-                seq.num_prompt_tokens_served = prompt_high_water(
-                    seq.num_prompt_tokens_served, nc, num_new_tokens, num_prompt)
-            seq.num_computed_tokens = nc + num_new_tokens
-            if not produces_token(nc, num_new_tokens, num_tokens):
-                continue
-            token = token if type(token) is int else int(token)
-            generated.append(token)
-            add_output(seq.user_id)
-            if pairs is not None:
-                pairs.append((req, token))
-            if req.started_at is None:
-                req.started_at = now
-            elif itl is not None and seq.last_token_s is not None:
-                itl.append(now - seq.last_token_s)
-            seq.last_token_s = now
-            if token == eos:
-                reason = "stop"
-            elif reached_length(num_tokens - num_prompt + 1, req.max_tokens, num_tokens + 1, max_len):
-                reason = "length"
-            else:
-                if seq.state == prefilling:
-                    _EVENTS["prefill_done"].trigger(seq)
-                continue
-            pool.free(seq.block_table)
-            seq.block_table = []
-            seq.finish_reason = reason
-            _EVENTS["finish"].trigger(seq)
-            req.completed_at = now
-            gone.add(seq)
-            self._forget(seq)
-            self._leave_resident(seq)
-            finished.append(req)
-            self.stats.on_finish(user_id=seq.user_id, reason=reason, submitted_s=req.submitted_at,
-                                 first_token_s=req.started_at, admitted_s=seq.admitted_s, completed_s=now,
-                                 prompt_tokens=seq.num_prompt_tokens, output_tokens=len(req.generated))
-        output_by_user = collections.Counter(output_users)
-        for user_id in {**prompt_served, **output_by_user}:  # batch order (not a set's: runs must repeat)
-            self.policy.on_service(user_id, prompt_served.get(user_id, 0), output_by_user[user_id])
-        if gone:
-            self.running = [s for s in self.running if s not in gone]
-        if plan.reserve is not None and plan.reserve.state in lc.WAITING_STATES:
-            self._reserved = plan.reserve  # room was made for it: nothing else takes the blocks
-        b = plan.blocked
-        if b is not None and b.state in lc.WAITING_STATES:
-            b.blocked_ticks += 1
-            if self._reserved is None and fr.reserved_after(b.blocked_ticks, self.aging_ticks):
-                self._reserved = b
-        if self.isolation is not None:
-            self.isolation.commit(plan.isolated, plan.protected_updates, plan.sat_out, plan.trimmed)
-            if plan.batch and iteration_start_s is not None:  # learn the latency of our own forward
-                self.isolation.model.observe(len(plan.batch), plan.num_batched_tokens, now - start_s)
-        self.stats.on_tick(len(plan.batch), plan.num_batched_tokens, pool.num_used)
-        self._tick_tokens = pairs
-        return finished
-
-    # ------------------------------------------------------------ reliability: abort, backend faults
-
-    def _lookup(self, request: Any) -> _Seq | None:
-        """The live record for a ``Request`` object or a non-empty ``request_id``, else None."""
-        if isinstance(request, str):
-            cur = self._by_id.get(request) if request else None
-            if type(cur) is list:  # a repeated id: the oldest in flight not already being aborted
-                return next((q for q in cur if all(p is not q for p in self._pending_aborts)), cur[0])
-            return cur
-        return self._by_obj.get(id(request))
-
-    def _retire(self, seq: _Seq, reason: str, now_s: float) -> Request:
-        """Take a live request out without completing it (``abort`` event, reason ``abort`` / ``error``).
-
-        Frees its blocks (a resident request) or takes it off the waiting queue. Expects the
-        state lock held and ``seq`` not in an in-flight plan.
-        """
-        if seq.state in lc.WAITING_STATES:
-            discard = getattr(self.policy, "discard", None)  # an abort is not an admission (VTCPolicy.discard)
-            (discard or self.policy.remove)(seq)
-            self._leave_waiting(seq)
-            if seq is self._reserved:
-                self._reserved = None
-        else:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-            self.running.remove(seq)
-            self._leave_resident(seq)
-        seq.finish_reason = reason
-        _EVENTS["abort"].trigger(seq)
-        seq.req.completed_at = now_s
-        self._forget(seq)
-        self.stats.on_cancel(reason)
-        return seq.req
-
-    def _end_inflight(self) -> None:
-        """The in-flight tick is over (applied or rolled back): retire the aborts deferred to its end.
-
-        Expects the state lock held. Requests the tick finished are left alone (``tick()``
-        returns them); the waiting ``abort`` calls are woken. If the clock raises (anything,
-        ``KeyboardInterrupt`` included), the aborts are retired at each request's last known
-        time (``_last_event_s``) and the callers woken before the exception is re-raised.
-        """
-        self._inflight = None
-        if self._pending_aborts:
-            try:
-                now_s, err = self.clock(), None
-            except BaseException as e:  # the aborts still apply and their callers wake; re-raised after
-                now_s, err = None, e
-            for seq in self._pending_aborts:
-                if self._by_obj.get(id(seq.req)) is seq:
-                    self._retire(seq, "abort", now_s if err is None else self._last_event_s(seq))
-            self._pending_aborts.clear()
-            self._tick_done.notify_all()
-            if err is not None:
-                raise err
-
-    @staticmethod
-    def _last_event_s(seq: _Seq) -> float:
-        """The latest clock reading known for ``seq`` (last token, admission or submit), seconds:
-        the completion time of an abort applied when the clock could not be read."""
-        for t in (seq.last_token_s, seq.admitted_s):
-            if t is not None:
-                return t
-        return seq.req.submitted_at
-
-    def _on_backend_failure(self, plan: SchedulePlan, e: Exception) -> list[Request]:
-        """After a rolled-back tick: raise ``BackendError``, or fail the batch (``max_backend_tries``)."""
-        with self._lock:
-            self._backend_failures += 1
-            if self.max_backend_tries is None or self._backend_failures < self.max_backend_tries:
-                if isinstance(e, BackendError):
-                    raise e
-                raise BackendError(f"forward raised {type(e).__name__}: {e}",
-                                   [r.request_id for r in plan.requests]) from e
-            self._backend_failures = 0
-            now = self.clock()
-            failed = [self._retire(s.seq, "error", now) for s in plan.batch
-                      if self._by_obj.get(id(s.seq.req)) is s.seq]  # not aborted meanwhile
-            self._last_tick = (plan, failed, "error")
-            return failed
-
     # ------------------------------------------------------------ helpers
 
     def _easy_shadow(self, live: list[_Seq], admitted: list[_Seq], grants: dict[_Seq, Sequence[int]],
@@ -731,106 +501,11 @@ class Scheduler:
         """``admission.easy_shadow`` (a method so that a subclass or a test can observe it)."""
         return easy_shadow(self, live, admitted, grants, need_blocks)
 
-    def _admission_blocks(self, seq: _Seq) -> int:
-        """KV blocks reserved when ``seq`` is admitted: its tokens plus the lookahead slot, or
-        its worst case once it is pinned (``spec.fairness_rules.pinned``).
-
-        An override point for baselines (``baselines.ReservationScheduler`` reserves prompt +
-        ``max_tokens``); an override must return at least this and at most ``kv_cap_blocks``.
-        """
-        need = rules.blocks_needed(seq.num_tokens, self.block_tokens)
-        if fr.pinned(seq.num_preemptions, self.max_preemptions):
-            need = max(need, fr.worst_case_blocks(seq.num_prompt_tokens, seq.req.max_tokens,
-                                                  self.max_model_len_tokens, self.block_tokens))
-        return need
-
-    def _admit(self, seq: _Seq, tick_no: int, start_s: float) -> None:
-        """``seq`` leaves the waiting queue for the running list (admission or resume)."""
-        self.policy.remove(seq)
-        if seq.decode_entry is None:  # its plan entry on every decode tick (the fast path)
-            seq.decode_entry = ScheduledSeq(seq, 1, 0, False)
-        _EVENTS["resume" if seq.state == lc.PREEMPTED else "admit"].trigger(seq)
-        seq.admit_no = self._admissions
-        self._admissions += 1
-        seq.admit_tick = tick_no
-        seq.pinned = fr.pinned(seq.num_preemptions, self.max_preemptions)
-        seq.blocked_ticks = 0
-        if seq.admitted_s is None:
-            seq.admitted_s = start_s
-        self.running.append(seq)
-        self._enter_resident(seq)
-        self._leave_waiting(seq)
-        if seq is self._reserved:
-            self._reserved = None
-
-    def _enter_resident(self, seq: _Seq) -> None:
-        c = self._resident_by_user.get(seq.user_id, 0)
-        if c == 0:
-            self._resident_weight += self._weight_of(seq.user_id)
-        self._resident_by_user[seq.user_id] = c + 1
-
-    def _leave_waiting(self, seq: _Seq) -> None:
-        """``seq`` leaves the waiting queue (admitted or aborted): per-user counts follow."""
-        c = self._waiting_by_user[seq.user_id] - 1
-        if c:
-            self._waiting_by_user[seq.user_id] = c
-        else:
-            del self._waiting_by_user[seq.user_id]
-
-    def _leave_resident(self, seq: _Seq) -> None:
-        """``seq`` stops being resident (preempted, finished or aborted): per-user counts follow."""
-        c = self._resident_by_user[seq.user_id] - 1
-        if c == 0:
-            del self._resident_by_user[seq.user_id]
-            self._resident_weight -= self._weight_of(seq.user_id)
-        else:
-            self._resident_by_user[seq.user_id] = c
-
-    def _forget(self, seq: _Seq) -> None:
-        seq.decode_entry = None  # it points back at seq: break the cycle so refcounting frees the request
-        self._by_obj.pop(id(seq.req), None)
-        rid = seq.rid
-        cur = self._by_id.get(rid) if rid else None
-        if cur is seq:
-            del self._by_id[rid]
-        elif type(cur) is list:  # a repeated id
-            cur[:] = [q for q in cur if q is not seq]
-            if len(cur) == 1:
-                self._by_id[rid] = cur[0]
-
     def _validate(self, request: Any) -> int:
         """Check a request at submit (``validation.validate_request``); return its prompt length."""
         return validate_request(self, request)
 
     _check_tokens = staticmethod(check_tokens)
-
-    # ------------------------------------------------------------ introspection
-
-    def check_integrity(self) -> None:
-        """Check the KV ledger against every block table and each request's state.
-
-        Raises:
-            AssertionError: naming the broken property. Cheap enough to call after every tick
-                in tests; ``kv_cache.BlockPoolError`` from the pool's own check.
-        """
-        with self._lock:
-            self.pool.check([s.block_table for s in self.running])
-            held = [len(s.block_table) for s in self.running]
-            assert rules.ledger_consistent(self.pool.num_free, held, self.kv_cap_blocks), "ledger_consistent"
-            assert rules.kv_within_cap(self.pool.num_used, self.kv_cap_blocks), "kv_within_cap"
-            for s in self.running:
-                assert s.state in lc.RESIDENT_STATES, f"{s.request_id}: running but {s.state}"
-                assert rules.resident_covered(len(s.block_table), s.num_tokens, self.block_tokens), \
-                    f"{s.request_id}: holds {len(s.block_table)} blocks for {s.num_tokens} tokens"
-                assert s.num_computed_tokens <= s.num_tokens, f"{s.request_id}: num_computed_tokens > num_tokens"
-            by_user: dict[str, int] = {}
-            for s in self.running:
-                by_user[s.user_id] = by_user.get(s.user_id, 0) + 1
-            assert by_user == self._resident_by_user, "resident counts per user"
-            assert sum(self._waiting_by_user.values()) == len(self.policy) and all(
-                self._waiting_by_user.values()), "waiting counts per user"
-            assert self._resident_weight == sum(self._weight_of(u) for u in by_user), "resident weight"
-
 
 def _unit_weight(user: str) -> int:
     return 1

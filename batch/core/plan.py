@@ -13,6 +13,11 @@ from typing import Any, NamedTuple, Sequence
 from inference_stub import Request
 from spec import lifecycle as lc
 
+#: The one shared lifecycle machine (``spec.lifecycle.new_machine``, ``model=None``): every state
+#: change of a request record fires one of its ``EVENTS`` (``EVENTS["admit"].trigger(seq)``).
+MACHINE = lc.new_machine()
+EVENTS = MACHINE.events
+
 
 @dataclass(slots=True, eq=False)
 class Seq:
