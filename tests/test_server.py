@@ -396,3 +396,27 @@ def test_model_backend_over_http_stream_matches_non_stream(tmp_path):
         b = "".join(c.choices[0].text for c in client.completions.create(model="tiny-llama", prompt="hello",
                                                                          max_tokens=8, stream=True))
         assert a.choices[0].text == b and a.usage.prompt_tokens == 5
+
+
+# ---------------------------------------------------------------- review findings
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 3}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 3}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 3}', "messages"),
+])
+def test_lone_surrogate_is_400_naming_the_field(srv, path, raw, param):
+    r = httpx.post(f"{srv.url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_unexpected_exception_is_an_openai_shaped_500(srv, monkeypatch):
+    def boom(text):
+        raise KeyError("tokenizer bug")
+    monkeypatch.setattr(srv.app.state.server.tok, "encode", boom)
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == 500 and set(err) == {"message", "type", "param", "code"}

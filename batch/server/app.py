@@ -18,10 +18,10 @@ listed there, else ``key-`` + the first 12 hex digits of its SHA-256 (the key it
 shown); else ``"anonymous"``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-body that is not JSON or fails validation (``param`` names the field), 400 for a prompt that
-can never fit (the message names the limit), 404 for an unknown model or path, 429 with
+body that is not JSON or fails validation (``param`` names the field), 400 for text that is not
+valid Unicode (a lone surrogate), 400 for a prompt that can never fit (the message names the limit), 404 for an unknown model or path, 429 with
 ``Retry-After`` when ``max_waiting`` requests already wait for their first token, 503 when
-the engine thread is down.
+the engine thread is down, 500 ``server_error`` for any exception a handler did not expect.
 """
 from __future__ import annotations
 
@@ -136,6 +136,17 @@ def _validation_error(e: ValidationError) -> ApiError:
     return ApiError(400, f"{param or 'body'}: {msg}", param=param)
 
 
+def _check_text(text: str, param: str) -> str:
+    """``text`` if it encodes as UTF-8; else a 400 naming ``param`` (JSON may carry a lone
+    surrogate such as ``"\\ud800"``, which no tokenizer can encode)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})",
+                       param=param) from None
+    return text
+
+
 def _text_of(m: ChatMessage) -> str:
     if m.content is None:
         return ""
@@ -195,7 +206,7 @@ class _Server:
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tok.encode(prompt)
+            return self.tok.encode(_check_text(prompt, "prompt"))
         vocab = self.engine.scheduler.vocab_size
         for t in prompt:
             if t < 0 or (vocab is not None and t >= vocab):
@@ -287,6 +298,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         return e.response()
 
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        # Any exception a handler did not expect (a bug): OpenAI's shape, never plain text.
+        # Starlette re-raises it after sending this, so uvicorn still logs its traceback.
+        return ApiError(500, f"internal server error: {type(e).__name__}", type="server_error").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
@@ -342,8 +359,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
             srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
         srv.check_model(body.model)
-        text = tokenizer.chat_prompt([{"role": m.role, "content": _text_of(m)} for m in body.messages])
-        ids = tokenizer.encode(text)
+        msgs = [{"role": _check_text(m.role, "messages"), "content": _check_text(_text_of(m), "messages")}
+                for m in body.messages]
+        ids = srv.tok.encode(srv.tok.chat_prompt(msgs))
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
         sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", body.stream)
         return await _respond(srv, request, sink, body, chat=True)
