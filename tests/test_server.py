@@ -420,3 +420,11 @@ def test_unexpected_exception_is_an_openai_shaped_500(srv, monkeypatch):
     assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
     assert err["type"] == "server_error" and err["code"] == 500 and set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000,
+                                 b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"],
+                         ids=["body", "extra-field"])
+def test_deeply_nested_json_is_400(srv, raw):
+    r = httpx.post(f"{srv.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -266,6 +266,8 @@ async def _json(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON here: nested too deeply") from None
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = None) -> FastAPI:
