@@ -255,8 +255,11 @@ def test_bad_chat_bodies_and_unknown_model(srv):
 
 
 def test_prompt_too_long_is_400_naming_the_limit(srv):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # text: counting stops past the limit
         srv.openai().completions.create(model=MODEL, prompt="w " * 5000, max_tokens=5)
+    assert e.value.status_code == 400 and "more than 4095 tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # token ids: counted
+        srv.openai().completions.create(model=MODEL, prompt=[1] * 5000, max_tokens=5)
     assert e.value.status_code == 400 and "4095" in str(e.value) and "5000" in str(e.value)
     ok = srv.openai().completions.create(model=MODEL, prompt="w " * 4095, max_tokens=2)  # the limit itself fits
     assert ok.usage.prompt_tokens == 4095
@@ -428,3 +431,24 @@ def test_unexpected_exception_is_an_openai_shaped_500(srv, monkeypatch):
 def test_deeply_nested_json_is_400(srv, raw):
     r = httpx.post(f"{srv.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_over_the_limit_is_413_before_parsing():
+    with LiveServer(ServerConfig(max_body_bytes=1000)) as s:
+        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "w " * 100, "max_tokens": 2})
+        assert ok.status_code == 200
+        big = json.dumps({"prompt": "w " * 1000, "max_tokens": 2}).encode()
+        r = httpx.post(f"{s.url}/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
+        chunked = httpx.post(f"{s.url}/v1/chat/completions", content=iter([big[:600], big[600:]]),
+                             headers={"content-type": "application/json"})  # no Content-Length: counted
+        assert chunked.status_code == 413 and set(chunked.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tokenizers_stop_past_the_limit():
+    words, n = WordTokenizer(), 10
+    assert words.encode("a b c") == words.encode("a b c", limit=n)
+    assert len(words.encode("w " * 1000, limit=n)) == n + 1
+    assert words.encode("w " * 1000, limit=n) == words.encode("w " * (n + 1))
+    from batch.server.tokenizer import ByteTokenizer
+    assert ByteTokenizer().encode("é" * 100, limit=n) == list(("é" * 100).encode())[:n + 1]

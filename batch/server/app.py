@@ -59,6 +59,7 @@ class ServerConfig:
         retry_after_s: the ``Retry-After`` header of a 429, whole seconds.
         api_keys: API key -> user name (fairness key for requests without ``user``).
         seed_by_prompt: key the simulated GPU's tokens by the prompt (``SeededGPU``).
+        max_body_bytes: largest request body read; a larger one gets 413 before it is parsed.
     """
 
     model_name: str = "batch-sim"
@@ -66,6 +67,7 @@ class ServerConfig:
     retry_after_s: int = 1
     api_keys: dict[str, str] = field(default_factory=dict)
     seed_by_prompt: bool = True
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
 class ApiError(Exception):
@@ -164,6 +166,8 @@ class _Server:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig) -> None:
         if cfg.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {cfg.max_waiting}")
+        if cfg.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {cfg.max_body_bytes}")
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.metrics = ServerMetrics(engine)
         self.waiting = 0  # accepted, no first token or end yet (event loop only)
@@ -198,7 +202,29 @@ class _Server:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            type="NotFoundError", param="model")
 
-    def prompt_ids(self, prompt: Any) -> list[int]:
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Token ids of ``text``, or of the chat prompt of ``messages``. The simulated tokenizers
+        stop past ``max_prompt_tokens`` (enough to refuse a prompt too long); a tokenizer with
+        ``encode_off_loop`` (Hugging Face's) runs in a worker thread, off the event loop."""
+        tok, limit = self.tok, self.max_prompt_tokens
+
+        def run() -> list[int]:
+            return tok.encode(tok.chat_prompt(messages) if messages is not None else text, limit)
+
+        if getattr(tok, "encode_off_loop", False):
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        return run()
+
+    def too_long(self, n_tokens: int) -> ApiError:
+        """The 400 for a prompt over ``max_prompt_tokens`` (``max_prompt_tokens + 1``: counting
+        stopped there, so the message says "more than")."""
+        s, limit = self.engine.scheduler, self.max_prompt_tokens
+        n = f"more than {limit}" if n_tokens == limit + 1 else str(n_tokens)
+        return ApiError(400, f"prompt: {n} tokens; this server's limit is {limit} prompt tokens (KV cache "
+                             f"{s.kv_cap_blocks} blocks x {s.block_tokens} tokens = {s.max_model_len_tokens}, "
+                             f"one slot kept for the first output token)", param="prompt")
+
+    async def prompt_ids(self, prompt: Any) -> list[int]:
         """Token ids of a completion prompt (text or ids; a list of one of them)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -206,7 +232,9 @@ class _Server:
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tok.encode(_check_text(prompt, "prompt"))
+            return await self.tokenize(_check_text(prompt, "prompt"))
+        if len(prompt) > self.max_prompt_tokens:
+            raise self.too_long(len(prompt))
         vocab = self.engine.scheduler.vocab_size
         for t in prompt:
             if t < 0 or (vocab is not None and t >= vocab):
@@ -229,11 +257,7 @@ class _Server:
             raise ApiError(400, "prompt: empty (it must hold at least one token)", param="prompt")
         if len(ids) > self.max_prompt_tokens:
             self.metrics.rejected.labels("400").inc()
-            s = self.engine.scheduler
-            raise ApiError(400, f"prompt: {len(ids)} tokens; this server's limit is {self.max_prompt_tokens} prompt "
-                                f"tokens (KV cache {s.kv_cap_blocks} blocks x {s.block_tokens} tokens = "
-                                f"{s.max_model_len_tokens}, one slot kept for the first output token)",
-                           param="prompt")
+            raise self.too_long(len(ids))
         if self.waiting >= self.cfg.max_waiting:
             self.metrics.rejected.labels("429").inc()
             raise ApiError(429, f"server busy: {self.waiting} requests already wait for their first token "
@@ -260,8 +284,19 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+async def _json(request: Request, max_bytes: int) -> Any:
+    """The body parsed as JSON; 413 past ``max_bytes`` (by ``Content-Length`` before reading,
+    or by the bytes read), 400 if it is not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body is {int(declared)} bytes; this server's limit is {max_bytes} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise ApiError(413, f"the body is over this server's limit of {max_bytes} bytes")
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -342,12 +377,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     async def completions(request: Request) -> Response:
         """OpenAI's completions: a ``text_completion`` object, or its chunks as server-sent events."""
         try:
-            body = CompletionBody.model_validate(await _json(request))
+            body = CompletionBody.model_validate(await _json(request, cfg.max_body_bytes))
         except ValidationError as e:
             srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
         srv.check_model(body.model)
-        ids = srv.prompt_ids(body.prompt)
+        ids = await srv.prompt_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
         sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", body.stream)
         return await _respond(srv, request, sink, body, chat=False)
@@ -356,14 +391,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     async def chat(request: Request) -> Response:
         """OpenAI's chat completions: a ``chat.completion`` object, or ``chat.completion.chunk`` events."""
         try:
-            body = ChatBody.model_validate(await _json(request))
+            body = ChatBody.model_validate(await _json(request, cfg.max_body_bytes))
         except ValidationError as e:
             srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
         srv.check_model(body.model)
         msgs = [{"role": _check_text(m.role, "messages"), "content": _check_text(_text_of(m), "messages")}
                 for m in body.messages]
-        ids = srv.tok.encode(srv.tok.chat_prompt(msgs))
+        ids = await srv.tokenize(messages=msgs)
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
         sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", body.stream)
         return await _respond(srv, request, sink, body, chat=True)

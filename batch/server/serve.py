@@ -170,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=None, help="most resident requests (default 256)")
     p.add_argument("--max-waiting", type=int, default=2048,
                    help="most requests waiting for their first token; more get 429 (default 2048)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body; a larger one gets 413 (default 4 MiB)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None, help="with --model: torch device")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
@@ -190,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          kv_cap_blocks=a.kv_cap_blocks, max_running=a.max_running, device=a.device,
                                          dtype=a.dtype)
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
-                           api_keys=users.api_keys, seed_by_prompt=backend == "sim")
+                           api_keys=users.api_keys, seed_by_prompt=backend == "sim",
+                           max_body_bytes=a.max_body_bytes)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
