@@ -452,3 +452,44 @@ def test_tokenizers_stop_past_the_limit():
     assert words.encode("w " * 1000, limit=n) == words.encode("w " * (n + 1))
     from batch.server.tokenizer import ByteTokenizer
     assert ByteTokenizer().encode("é" * 100, limit=n) == list(("é" * 100).encode())[:n + 1]
+
+
+def test_engine_death_answers_requests_queued_during_the_fatal_tick():
+    # The fatal tick runs 0.5 s; requests sent meanwhile sit in the engine's command queue when
+    # the thread dies. Each must be answered (503, or a stream's error chunk then [DONE]).
+    with LiveServer(time_scale=0.2) as s:
+        sched = s.engine.scheduler
+        orig, armed = sched.update_from_output, threading.Event()
+
+        def boom(*a, **k):
+            if armed.is_set():
+                time.sleep(0.5)
+                raise RuntimeError("scheduler bug")
+            return orig(*a, **k)
+        sched.update_from_output = boom
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=15) as c:
+                assert (await c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 3})).status_code == 200
+                armed.set()
+                first = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "first", "max_tokens": 50}))
+                await asyncio.sleep(0.2)  # the fatal tick is running
+
+                async def one(i):
+                    body = {"prompt": f"p{i}", "max_tokens": 5, "stream": i % 2 == 1}
+                    if not body["stream"]:
+                        r = await c.post("/v1/completions", json=body)
+                        return r.status_code, r.json()["error"]["type"]
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                    assert lines[-1] == "data: [DONE]"
+                    return r.status_code, json.loads(lines[-2][6:])["error"]["type"]
+                rest = await asyncio.gather(*(one(i) for i in range(6)))
+                return await first, rest
+        first, rest = asyncio.run(go())
+        assert first.status_code == 503
+        for i, (code, kind) in enumerate(rest):
+            assert code == (200 if i % 2 else 503) and kind is not None, (i, code, kind)
+            assert i % 2 or kind == "service_unavailable"
+        assert not s.engine.alive
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503

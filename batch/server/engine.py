@@ -243,6 +243,7 @@ class Engine:
         self.tokens_out = 0
         self.cpu_s = 0.0  # CPU seconds of the engine thread (time.thread_time), all its work
         self.error: BaseException | None = None  # what ended the thread, if anything did
+        self._dead = False  # set first when the thread ends (failed or stopped): alive is False at once
         self.backend_errors = 0  # ticks the backend failed (each rolled back, then retried)
         self.last_backend_error: str | None = None
         self.backend_retry_s = 0.01  # pause before retrying a failed tick
@@ -261,17 +262,21 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        """True while the engine thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        """True while the engine thread runs and takes requests (False from the moment it
+        started to fail or stop)."""
+        return not self._dead and self._thread is not None and self._thread.is_alive()
 
     def submit(self, request: ServedRequest, stream: bool = True) -> TokenSink:
         """Queue ``request`` for the engine thread; returns its sink (call on the event loop).
 
         The scheduler's refusal, if any, arrives as the sink's first event (``error`` set,
-        finish reason ``"error"``).
+        finish reason ``"error"``). If the engine thread ended (or is ending), the sink gets an
+        ``EngineFailed`` error event instead: every submit is answered.
         """
         sink = TokenSink(request, stream)
         self._cmds.put(_Submit(request, sink))
+        if self._dead:  # queued after the thread drained its queue (or while it does: the sink takes one end)
+            self._deliver([(sink, TokenEvent(None, "error", time.perf_counter(), self._down_error()))], 0.0)
         return sink
 
     def abort(self, sink: TokenSink) -> None:
@@ -327,9 +332,29 @@ class Engine:
             self._loop_forever()
         except BaseException as e:  # noqa: BLE001 - recorded for /health; the requests are failed below
             self.error = e
+            self._dead = True
             self._fail_all(e)
         finally:
+            self._dead = True
+            self._fail_queued()
             self._publish()
+
+    def _down_error(self) -> EngineFailed:
+        e = self.error
+        return EngineFailed("the engine is not running" if e is None else f"engine failed: {e!r}")
+
+    def _fail_queued(self) -> None:
+        """After the thread's end (``_dead`` set): answer every submit still queued with an
+        ``EngineFailed`` error event (a submit queued later is answered by ``submit`` itself)."""
+        events = []
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if type(cmd) is _Submit:
+                events.append((cmd.sink, TokenEvent(None, "error", time.perf_counter(), self._down_error())))
+        self._send(events)
 
     def _loop_forever(self) -> None:
         """Apply every queued command, tick while anything is active, block when idle; hand
@@ -356,6 +381,7 @@ class Engine:
             cpu0 = c
             if events:
                 loop.call_soon_threadsafe(self._deliver, events, iteration_s)
+        self._dead = True  # stopped: new requests are refused from here on
         self._abort_all()
 
     def _tick(self, events: list[tuple[TokenSink, TokenEvent]]) -> float:
@@ -421,8 +447,14 @@ class Engine:
                 pass
 
     def _deliver(self, events: list[tuple[TokenSink, TokenEvent]], iteration_s: float) -> None:
-        """On the event loop: route a tick's events to their sinks, then ``on_tick``."""
-        for sink, ev in events:
-            sink.push(ev)
+        """On the event loop: route a tick's events to their sinks, then ``on_tick``. An event
+        for a sink that already ended is dropped (a submit answered by ``submit`` and by the
+        engine's drain both)."""
+        delivered = []
+        for pair in events:
+            sink = pair[0]
+            if sink.final is None:
+                sink.push(pair[1])
+                delivered.append(pair)
         if self.on_tick is not None:
-            self.on_tick(events, iteration_s)
+            self.on_tick(delivered, iteration_s)
