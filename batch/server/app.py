@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
+from scheduler import RequestError
 
 __all__ = ["ServerConfig", "ApiError", "create_app"]
 
@@ -406,6 +407,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     return app
 
 
+def _event_error(error: Exception) -> ApiError:
+    """The error of a request's error event: the scheduler refused it (400
+    ``invalid_request_error``), the engine is down (503 ``service_unavailable``), or anything
+    else (500 ``server_error``)."""
+    if isinstance(error, RequestError):
+        return ApiError(400, str(error))
+    if isinstance(error, EngineFailed):
+        return ApiError(503, str(error), type="service_unavailable")
+    return ApiError(500, str(error), type="server_error")
+
+
 def _usage(sink: TokenSink) -> dict[str, int]:
     n_prompt, n_out = len(sink.request.prompt), len(sink.request.generated)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -430,9 +442,7 @@ async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body,
     final = sink.final
     assert final is not None
     if final.error is not None:  # refused by the scheduler (400), or the engine died (503)
-        dead = isinstance(final.error, EngineFailed)
-        raise ApiError(503 if dead else 400, str(final.error), type="service_unavailable" if dead else
-                       "invalid_request_error")
+        raise _event_error(final.error)
     if final.finish_reason == "error":
         raise ApiError(500, "the backend failed on this request's batch (after retries)", type="server_error")
     req = sink.request
@@ -477,8 +487,8 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
             out = []
             for ev in evs:
                 if ev.error is not None:
-                    err = {"error": {"message": str(ev.error), "type": "invalid_request_error", "param": None,
-                                     "code": 400}}
+                    e = _event_error(ev.error)
+                    err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
                     out.append(f"data: {dumps(err)}\n\n")
                     final = ev
                     break
