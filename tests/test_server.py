@@ -148,7 +148,7 @@ def test_raw_sse_format_and_usage(srv):
     assert usage["usage"]["completion_tokens"] == len(tokens)  # one chunk per token, EOS included
 
 
-def test_fairness_key_user_then_api_key_then_anonymous(tmp_path):
+def test_fairness_key_api_key_then_user_then_anonymous(tmp_path):
     cfg_file = tmp_path / "users.toml"
     cfg_file.write_text('[weights]\nalice = 3\n[api_keys]\n"sk-alice" = "alice"\n')
     users = load_config(cfg_file)
@@ -157,12 +157,32 @@ def test_fairness_key_user_then_api_key_then_anonymous(tmp_path):
         assert s.engine.scheduler.policy.weight_of("alice") == 3
         s.openai("sk-alice").completions.create(model=MODEL, prompt="x", max_tokens=2)
         s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2)
-        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")
+        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")  # key wins
         httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "dave"})  # no key
         m = bench_serve.scrape(s.url)
     users_seen = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
-    assert "alice" in users_seen and "carol" in users_seen and "anonymous" in users_seen
+    assert "alice" in users_seen and "dave" in users_seen and "anonymous" in users_seen
+    assert "carol" not in users_seen
     assert any(u.startswith("key-") and "sk-other" not in u for u in users_seen)  # the key itself never shown
+
+
+def test_with_an_api_key_random_user_values_share_one_fairness_key():
+    seen = []
+    with LiveServer(ServerConfig(api_keys={"sk-heavy": "heavy"})) as s:
+        submit = s.engine.submit
+        s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
+        for i in range(5):
+            s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
+            s.openai("sk-unlisted").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
+    assert seen[0::2] == ["heavy"] * 5 and len(set(seen[1::2])) == 1 and seen[1].startswith("key-")
+    seen.clear()
+    with LiveServer(ServerConfig(api_keys={"sk-heavy": "heavy"}, trust_user_field=True)) as s:
+        submit = s.engine.submit
+        s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
+        s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")
+        s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert seen == ["carol", "heavy"]
 
 
 def test_config_files(tmp_path):

@@ -12,10 +12,11 @@ exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
 top_p, ...) are accepted and ignored: decoding is the backend's (the simulated GPU's draw,
 or the model's greedy argmax).
 
-Fairness key (the scheduler's ``user_id``): the body's ``user``; else the API key of an
-``Authorization: Bearer`` header, mapped to a user name by the config's ``api_keys`` when
-listed there, else ``key-`` + the first 12 hex digits of its SHA-256 (the key itself is never
-shown); else ``"anonymous"``.
+Fairness key (the scheduler's ``user_id``): the API key of an ``Authorization: Bearer``
+header, mapped to a user name by the config's ``api_keys`` when listed there, else ``key-`` +
+the first 12 hex digits of its SHA-256 (the key itself is never shown); the body's ``user``
+only when there is no key (or, with ``trust_user_field``, over the key: a client could then
+escape its share by naming a new user per request); else ``"anonymous"``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 body that is not JSON or fails validation (``param`` names the field), 400 for text that is not
@@ -61,6 +62,8 @@ class ServerConfig:
         api_keys: API key -> user name (fairness key for requests without ``user``).
         seed_by_prompt: key the simulated GPU's tokens by the prompt (``SeededGPU``).
         max_body_bytes: largest request body read; a larger one gets 413 before it is parsed.
+        trust_user_field: the body's ``user`` wins over the API key as the fairness key (off:
+            the key decides, so a key's holder cannot claim a fresh share per request).
     """
 
     model_name: str = "batch-sim"
@@ -69,6 +72,7 @@ class ServerConfig:
     api_keys: dict[str, str] = field(default_factory=dict)
     seed_by_prompt: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
+    trust_user_field: bool = False
 
 
 class ApiError(Exception):
@@ -187,15 +191,13 @@ class _Server:
     # ------------------------------------------------------------ request handling
 
     def user_of(self, body_user: str | None, request: Request) -> str:
-        """The fairness key: ``user``, else the bearer API key's user, else ``anonymous``."""
-        if body_user:
-            return body_user
+        """The fairness key: the bearer API key's user (the body's ``user`` ignored, unless
+        ``trust_user_field``); without a key, ``user``; else ``anonymous``."""
         auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            key = auth[7:].strip()
-            if key:
-                return self.cfg.api_keys.get(key) or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-        return "anonymous"
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if key and not (body_user and self.cfg.trust_user_field):
+            return self.cfg.api_keys.get(key) or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        return body_user or "anonymous"
 
     def check_model(self, model: str | None) -> None:
         """Raise a 404 ``ApiError`` unless ``model`` is ``None`` or the served name."""

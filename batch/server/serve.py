@@ -7,7 +7,8 @@
 
 The config file (JSON, or TOML when its name ends in ``.toml``) has two optional tables:
 ``weights`` (user -> int weight >= 1, passed to ``VTCPolicy``) and ``api_keys`` (API key ->
-user name, the fairness key of a request that names no ``user``)::
+user name: the fairness key of a request with that key; the body's ``user`` counts only
+without a key, or over it with ``--trust-user-field``)::
 
     [weights]
     alice = 2
@@ -172,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="most requests waiting for their first token; more get 429 (default 2048)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body; a larger one gets 413 (default 4 MiB)")
+    p.add_argument("--trust-user-field", action="store_true",
+                   help="the body's 'user' wins over the API key as the fairness key (default: the key wins)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None, help="with --model: torch device")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
@@ -193,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          dtype=a.dtype)
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
                            api_keys=users.api_keys, seed_by_prompt=backend == "sim",
-                           max_body_bytes=a.max_body_bytes)
+                           max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
