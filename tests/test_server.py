@@ -512,3 +512,17 @@ def test_engine_death_answers_requests_queued_during_the_fatal_tick():
             assert code == (200 if i % 2 else 503) and kind == "service_unavailable", (i, code, kind)
         assert not s.engine.alive
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+def test_per_user_metric_labels_are_bounded():
+    with LiveServer(ServerConfig(known_users=("vip",), max_user_labels=3), weights={"vip": 2}) as s:
+        for u in ["vip", *(f"rnd{i}" for i in range(8))]:
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2, "user": u})
+            assert r.status_code == 200
+        m = bench_serve.scrape(s.url)
+    labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
+    assert labelled == {"vip", "rnd0", "rnd1", "rnd2", "other"}
+    assert m['batch:prompt_tokens_total{user="other"}'] == 5 * 2
+    gen = {k.split('"')[1] for k in m if k.startswith("batch:generation_tokens_total{")}
+    ttft = {k.split('"')[1] for k in m if k.startswith("batch:user_time_to_first_token_seconds_count{")}
+    assert gen == ttft == labelled

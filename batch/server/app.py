@@ -64,6 +64,10 @@ class ServerConfig:
         max_body_bytes: largest request body read; a larger one gets 413 before it is parsed.
         trust_user_field: the body's ``user`` wins over the API key as the fairness key (off:
             the key decides, so a key's holder cannot claim a fresh share per request).
+        known_users: users labelled by name in per-user metrics (the config's weighted users;
+            the users of ``api_keys`` are added).
+        max_user_labels: how many other users get their own per-user metric label; later ones
+            are counted under ``user="other"``.
     """
 
     model_name: str = "batch-sim"
@@ -73,6 +77,8 @@ class ServerConfig:
     seed_by_prompt: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     trust_user_field: bool = False
+    known_users: tuple[str, ...] = ()
+    max_user_labels: int = 100
 
 
 class ApiError(Exception):
@@ -174,7 +180,7 @@ class _Server:
         if cfg.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {cfg.max_body_bytes}")
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, (*cfg.known_users, *cfg.api_keys.values()), cfg.max_user_labels)
         self.waiting = 0  # accepted, no first token or end yet (event loop only)
         self.created = int(time.time())
         self.max_prompt_tokens = engine.scheduler.max_model_len_tokens - 1
@@ -270,7 +276,7 @@ class _Server:
         req = ServedRequest(user_id=user, prompt=ids, max_tokens=max_tokens, request_id=rid,
                             seed_key=SeededGPU.prompt_key(ids) if self.cfg.seed_by_prompt else "")
         self.waiting += 1
-        self.metrics.prompt_tokens.labels(user).inc(len(ids))
+        self.metrics.prompt_tokens.labels(self.metrics.user_label(user)).inc(len(ids))
         return self.engine.submit(req, stream)
 
     def abort(self, sink: TokenSink) -> None:
@@ -368,7 +374,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.get("/metrics")
     async def metrics() -> Response:
         """Every metric in Prometheus' text format (``batch.server.metrics``)."""
-        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+        text = await asyncio.get_running_loop().run_in_executor(None, srv.metrics.render)  # off the loop
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -175,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="largest request body; a larger one gets 413 (default 4 MiB)")
     p.add_argument("--trust-user-field", action="store_true",
                    help="the body's 'user' wins over the API key as the fairness key (default: the key wins)")
+    p.add_argument("--max-user-labels", type=int, default=100,
+                   help="users past the config's that get their own per-user metric label; later ones "
+                        "are counted as user=\"other\" (default 100)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None, help="with --model: torch device")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
@@ -196,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          dtype=a.dtype)
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
                            api_keys=users.api_keys, seed_by_prompt=backend == "sim",
-                           max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field)
+                           max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field,
+                           known_users=tuple(users.weights), max_user_labels=a.max_user_labels)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
