@@ -526,3 +526,64 @@ def test_per_user_metric_labels_are_bounded():
     gen = {k.split('"')[1] for k in m if k.startswith("batch:generation_tokens_total{")}
     ttft = {k.split('"')[1] for k in m if k.startswith("batch:user_time_to_first_token_seconds_count{")}
     assert gen == ttft == labelled
+
+
+@pytest.mark.parametrize("sig, times", [("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
+def test_shutdown_under_load_ends_every_stream_and_exits(sig, times):
+    # `batch serve` in its own process, 8 endless streams open (no EOS, 3000 tokens each); a
+    # signal (or two): every stream ends with a last chunk finish_reason "abort" and [DONE], the
+    # server exits within its --shutdown-timeout (plus slack), says so once, no traceback.
+    import signal
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "batch.commands", "serve", "--port", str(port),
+                             "--eos-probability", "0", "--time-scale", "0.5", "--shutdown-timeout", "5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+        async def go():
+            started = asyncio.Event()
+            n_started = [0]
+
+            async def one(c, i):
+                body = {"prompt": f"s{i} t", "max_tokens": 3000, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = []
+                    async for ln in r.aiter_lines():
+                        if ln.startswith("data: "):
+                            lines.append(ln)
+                            if len(lines) == 2:
+                                n_started[0] += 1
+                                if n_started[0] == 8:
+                                    started.set()
+                    return lines
+
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                tasks = [asyncio.ensure_future(one(c, i)) for i in range(8)]
+                await asyncio.wait_for(started.wait(), 30)
+                t0 = time.monotonic()
+                for _ in range(times):
+                    proc.send_signal(getattr(signal, sig))
+                    await asyncio.sleep(0.01)
+                return await asyncio.gather(*tasks), t0
+        streams, t0 = asyncio.run(go())
+        proc.wait(timeout=5 + 10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = proc.communicate()
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert elapsed < 5 + 10 and "Traceback" not in err, err
+    assert err.count("shutting down") == 1, err

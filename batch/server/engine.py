@@ -287,9 +287,16 @@ class Engine:
         """
         self._cmds.put(_Abort(sink.request, sink))
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """End the engine thread (live requests are aborted first) and wait for it."""
+    def begin_stop(self) -> None:
+        """Ask the engine thread to end, without waiting: from now ``alive`` is False (new
+        submits get 503); the thread aborts every live request (an ``"abort"`` event each) and
+        answers the submits still queued with 503."""
+        self._dead = True
         self._cmds.put(_STOP)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the engine thread (``begin_stop``) and wait for it."""
+        self.begin_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
 

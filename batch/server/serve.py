@@ -178,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-user-labels", type=int, default=100,
                    help="users past the config's that get their own per-user metric label; later ones "
                         "are counted as user=\"other\" (default 100)")
+    p.add_argument("--shutdown-timeout", type=_positive_float, default=10.0,
+                   help="at SIGINT/SIGTERM, seconds to wait for open responses after aborting the requests "
+                        "in flight (default 10)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None, help="with --model: torch device")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
@@ -187,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvicorn  # noqa: PLC0415 - the optional 'serve' extra
 
         from batch.server.app import ServerConfig, create_app  # noqa: PLC0415
+        from batch.server.graceful import GracefulServer  # noqa: PLC0415
     except ImportError as e:
         print(f"batch serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
         return 2
@@ -206,5 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}) on "
           f"http://{a.host}:{a.port}", file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+                            timeout_graceful_shutdown=a.shutdown_timeout)
+    try:
+        GracefulServer(config, engine).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it caught, after its clean shutdown
+        return 130
     return 0
