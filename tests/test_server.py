@@ -256,6 +256,16 @@ def test_concurrent_users(srv):
     (b'{"prompt": ["a", "b"]}', "prompt"),
     (b'{"prompt": "x", "stream": "yes please"}', "stream"),
     (b'{"prompt": "   "}', "prompt"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"prompt": "x", "stream": 1}', "stream"),
+    (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 2.0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": NaN}', "max_tokens"),
+    (b'{"prompt": [true, false]}', "prompt"),
+    (b'{"prompt": [1.0, 2.0]}', "prompt"),
+    (b'{"prompt": "x", "user": 5}', "user"),
+    (b'{"prompt": "x", "model": 5}', "model"),
 ])
 def test_bad_bodies_get_openai_errors(srv, body, param):
     r = httpx.post(f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -267,6 +277,13 @@ def test_bad_bodies_get_openai_errors(srv, body, param):
 def test_bad_chat_bodies_and_unknown_model(srv):
     r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for body, param in (({"messages": [{"role": "user", "content": 5}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "3"},
+                         "max_completion_tokens")):
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": None})
+    assert ok.status_code == 200 and ok.json()["object"] == "text_completion"  # null: the default
     with pytest.raises(openai.NotFoundError):
         srv.openai().completions.create(model="gpt-9", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):

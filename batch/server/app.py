@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
@@ -107,33 +107,36 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
+    """The fields both endpoints read; strict types (no coercion: ``"5"``, ``true`` or ``2.0``
+    is not an int, ``"yes"`` or ``1`` not a bool); ``null`` is the default."""
+
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
-    user: str | None = None
+    user: StrictStr | None = None
 
 
 class CompletionBody(_Body):
     """``/v1/completions``: ``prompt`` is text, token ids, or a list of exactly one of those."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
 
 
 class ChatMessage(BaseModel):
     """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts."""
 
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
 
 
 class ChatBody(_Body):
     """``/v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -394,7 +397,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
         srv.check_model(body.model)
         ids = await srv.prompt_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
-        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", body.stream)
+        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", bool(body.stream))
         return await _respond(srv, request, sink, body, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -410,7 +413,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
                 for m in body.messages]
         ids = await srv.tokenize(messages=msgs)
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", body.stream)
+        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", bool(body.stream))
         return await _respond(srv, request, sink, body, chat=True)
 
     return app
