@@ -604,3 +604,26 @@ def test_shutdown_under_load_ends_every_stream_and_exits(sig, times):
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert elapsed < 5 + 10 and "Traceback" not in err, err
     assert err.count("shutting down") == 1, err
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"n": 0}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    ({"logprobs": 5}, "logprobs"), ({"logprobs": 0}, "logprobs"), ({"suffix": "x"}, "suffix"),
+    ({"stop": "\n"}, "stop"), ({"stop": ["a", "b"]}, "stop"),
+])
+def test_unsupported_options_are_400_naming_the_field(srv, extra, param):
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+    if param == "logprobs":
+        chat["logprobs"] = True
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_unsupported_options_are_accepted(srv):
+    body = {"prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": "",
+            "stop": [], "temperature": 0.7}
+    assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 1, "logprobs": False, "stop": None}
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat).status_code == 200

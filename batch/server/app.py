@@ -8,9 +8,10 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or no
 Request fields used: ``prompt`` (completions: a string, a list of token ids, or a list of
 exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
 ``max_completion_tokens``; default 16), ``stream``, ``stream_options.include_usage``,
-``user``, ``model`` (must be the served name when given). Other OpenAI fields (temperature,
-top_p, ...) are accepted and ignored: decoding is the backend's (the simulated GPU's draw,
-or the model's greedy argmax).
+``user``, ``model`` (must be the served name when given). Refused with a 400 naming the field,
+as not implemented: ``n`` other than 1, ``best_of`` over 1, ``echo``, ``logprobs``,
+``suffix``, a non-empty ``stop``. Other OpenAI fields (temperature, top_p, ...) are accepted and
+ignored: decoding is the backend's (the simulated GPU's draw, or the model's greedy argmax).
 
 Fairness key (the scheduler's ``user_id``): the API key of an ``Authorization: Bearer``
 header, mapped to a user name by the config's ``api_keys`` when listed there, else ``key-`` +
@@ -116,6 +117,26 @@ class _Body(BaseModel):
     stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
     user: StrictStr | None = None
+    # OpenAI fields this server does not implement: refused (400) unless absent or neutral
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    logprobs: StrictBool | StrictInt | None = None
+    suffix: StrictStr | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+
+    def check_supported(self) -> None:
+        """Raise a 400 naming the field for an option this server would otherwise ignore:
+        ``n`` != 1, ``best_of`` > 1, ``echo``, ``logprobs``, ``suffix`` or a non-empty ``stop``."""
+        for param, unsupported, what in (
+                ("n", self.n is not None and self.n != 1, "only n = 1 is supported"),
+                ("best_of", self.best_of is not None and self.best_of > 1, "only best_of = 1 is supported"),
+                ("echo", bool(self.echo), "echo is not supported"),
+                ("logprobs", self.logprobs is not None and self.logprobs is not False, "logprobs are not supported"),
+                ("suffix", bool(self.suffix), "suffix is not supported"),
+                ("stop", bool(self.stop), "stop sequences are not supported")):
+            if unsupported:
+                raise ApiError(400, f"{param}: {what} by this server", param=param)
 
 
 class CompletionBody(_Body):
@@ -394,6 +415,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
         except ValidationError as e:
             srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
+        body.check_supported()
         srv.check_model(body.model)
         ids = await srv.prompt_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
@@ -408,6 +430,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
         except ValidationError as e:
             srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
+        body.check_supported()
         srv.check_model(body.model)
         msgs = [{"role": _check_text(m.role, "messages"), "content": _check_text(_text_of(m), "messages")}
                 for m in body.messages]
