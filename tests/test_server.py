@@ -627,3 +627,18 @@ def test_neutral_values_of_unsupported_options_are_accepted(srv):
     assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 200
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 1, "logprobs": False, "stop": None}
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_every_error_answer_is_counted_by_status():
+    with LiveServer(ServerConfig(max_body_bytes=2000)) as s:
+        bad = [("/v1/completions", {"prompt": "x", "n": 2}), ("/v1/completions", {"prompt": "\ud800"}),
+               ("/v1/completions", {"prompt": "x", "max_tokens": "5"}), ("/v1/completions", {"prompt": "w " * 5000}),
+               ("/v1/chat/completions", {"messages": []}), ("/v1/completions", {"prompt": "x", "model": "gpt-9"}),
+               ("/nowhere", {})]
+        codes = [httpx.post(f"{s.url}{p}", content=json.dumps(b), headers={"content-type": "application/json"})
+                 .status_code for p, b in bad]
+        assert codes == [400, 400, 400, 413, 400, 404, 404]
+        m = bench_serve.scrape(s.url)
+    assert m.get('batch:request_rejected_total{code="400"}') == 4
+    assert m.get('batch:request_rejected_total{code="413"}') == 1
+    assert m.get('batch:request_rejected_total{code="404"}') == 2

@@ -283,16 +283,12 @@ class _Server:
                 engine down.
         """
         if not self.engine.alive:
-            self.metrics.rejected.labels("503").inc()
             raise ApiError(503, "the engine is not running", type="service_unavailable")
         if not ids:
-            self.metrics.rejected.labels("400").inc()
             raise ApiError(400, "prompt: empty (it must hold at least one token)", param="prompt")
         if len(ids) > self.max_prompt_tokens:
-            self.metrics.rejected.labels("400").inc()
             raise self.too_long(len(ids))
         if self.waiting >= self.cfg.max_waiting:
-            self.metrics.rejected.labels("429").inc()
             raise ApiError(429, f"server busy: {self.waiting} requests already wait for their first token "
                                 f"(max_waiting = {self.cfg.max_waiting}); retry later",
                            type="rate_limit_error", headers={"Retry-After": str(self.cfg.retry_after_s)})
@@ -364,20 +360,26 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     app = FastAPI(title="Batch", lifespan=lifespan)
     app.state.server = srv
 
+    # Every error answer goes through one of these handlers, which count it in
+    # batch:request_rejected_total{code} (the one place where requests refused are counted).
+    rejected = srv.metrics.rejected
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        rejected.labels(str(e.status)).inc()
         return e.response()
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception) -> JSONResponse:
         # Any exception a handler did not expect (a bug): OpenAI's shape, never plain text.
         # Starlette re-raises it after sending this, so uvicorn still logs its traceback.
-        return ApiError(500, f"internal server error: {type(e).__name__}", type="server_error").response()
+        return await _api_error(request, ApiError(500, f"internal server error: {type(e).__name__}",
+                                                  type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return ApiError(e.status_code, str(e.detail), type=kind).response()
+        return await _api_error(request, ApiError(e.status_code, str(e.detail), type=kind))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -413,7 +415,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
         try:
             body = CompletionBody.model_validate(await _json(request, cfg.max_body_bytes))
         except ValidationError as e:
-            srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
         body.check_supported()
         srv.check_model(body.model)
@@ -428,7 +429,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
         try:
             body = ChatBody.model_validate(await _json(request, cfg.max_body_bytes))
         except ValidationError as e:
-            srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
         body.check_supported()
         srv.check_model(body.model)

@@ -16,7 +16,7 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:prompt_tokens_total{user}`` | counter | prompt tokens of accepted requests, per user |
 | ``batch:generation_tokens_total{user}`` | counter | output tokens served, per user |
 | ``batch:request_success_total{finished_reason}`` | counter | requests ended: stop, length, error, abort |
-| ``batch:request_rejected_total{code}`` | counter | requests refused: 400, 429, 503 |
+| ``batch:request_rejected_total{code}`` | counter | requests answered with an error status, by status (400, 404, 413, 429, 500, 503); counted in the app's error handlers only |
 | ``batch:num_requests_running`` | gauge | resident requests |
 | ``batch:num_requests_waiting`` | gauge | queued or preempted requests |
 | ``batch:kv_cache_usage_perc`` | gauge | KV blocks used / cap (0..1, as vLLM's) |
