@@ -642,3 +642,18 @@ def test_every_error_answer_is_counted_by_status():
     assert m.get('batch:request_rejected_total{code="400"}') == 4
     assert m.get('batch:request_rejected_total{code="413"}') == 1
     assert m.get('batch:request_rejected_total{code="404"}') == 2
+
+
+def test_response_ids_are_random_and_created_is_the_response_time(srv):
+    import re
+    t0 = int(time.time())
+    a = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()
+    b = httpx.post(f"{srv.url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).json()
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", a["id"]) and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", b["id"])
+    assert a["id"] != chunks[0]["id"]
+    t1 = int(time.time())
+    assert t0 <= a["created"] <= t1 and t0 <= b["created"] <= t1
+    assert {c["created"] for c in chunks} <= set(range(t0, t1 + 1)) and len({c["created"] for c in chunks}) == 1

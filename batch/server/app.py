@@ -482,7 +482,7 @@ async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body,
         raise ApiError(500, "the backend failed on this request's batch (after retries)", type="server_error")
     req = sink.request
     text = srv.tok.decode(req.generated)
-    rid, created, model = req.request_id, srv.created, srv.cfg.model_name
+    rid, created, model = req.request_id, int(time.time()), srv.cfg.model_name
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": final.finish_reason}
@@ -499,8 +499,9 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
     a last chunk with the finish reason, a usage chunk if asked, then ``data: [DONE]``. If the
     client goes away, Starlette cancels this generator and ``finally`` aborts the request."""
     req = sink.request
+    created = int(time.time())  # the response's creation, the same in each of its chunks
     head = (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-            f'"created":{srv.created},"model":{srv._model_json},"choices":[{{"index":0,')
+            f'"created":{created},"model":{srv._model_json},"choices":[{{"index":0,')
     dumps = json.dumps
 
     def chunk(text: str, reason: str | None) -> str:
@@ -536,7 +537,7 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
             yield "".join(out)
         if include_usage:
             yield (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                   f'"created":{srv.created},"model":{srv._model_json},"choices":[],"usage":{dumps(_usage(sink))}}}\n\n')
+                   f'"created":{created},"model":{srv._model_json},"choices":[],"usage":{dumps(_usage(sink))}}}\n\n')
         yield "data: [DONE]\n\n"
     finally:
         srv.abort(sink)

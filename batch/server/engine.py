@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import queue
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -247,7 +247,6 @@ class Engine:
         self.backend_errors = 0  # ticks the backend failed (each rolled back, then retried)
         self.last_backend_error: str | None = None
         self.backend_retry_s = 0.01  # pause before retrying a failed tick
-        self._ids = itertools.count()
         scheduler.on_tokens = self._pairs.extend
 
     # ------------------------------------------------------------ the asyncio side
@@ -301,8 +300,9 @@ class Engine:
             self._thread.join(timeout_s)
 
     def next_id(self, prefix: str) -> str:
-        """A fresh request id ``<prefix>-<n>`` (unique within this engine)."""
-        return f"{prefix}-{next(self._ids)}"
+        """A fresh request id ``<prefix>-<32 hex digits>`` (a random UUID: unique across
+        restarts too, and it tells nothing of the server's load)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     # ------------------------------------------------------------ the engine thread
 
