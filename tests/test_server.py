@@ -286,6 +286,10 @@ def test_bad_chat_bodies_and_unknown_model(srv):
     assert ok.status_code == 200 and ok.json()["object"] == "text_completion"  # null: the default
     with pytest.raises(openai.NotFoundError):
         srv.openai().completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    err = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "model": "gpt-9"}).json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found" and err["param"] == "model"
+    err = httpx.get(f"{srv.url}/nowhere").json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 404
     with pytest.raises(openai.BadRequestError):
         srv.openai().completions.create(model=MODEL, prompt="x", max_tokens=-1)
     assert httpx.get(f"{srv.url}/nowhere").json()["error"]["code"] == 404

@@ -91,17 +91,19 @@ class ApiError(Exception):
         type: OpenAI's error type (``invalid_request_error``, ...).
         param: the offending field, or ``None``.
         headers: extra response headers (``Retry-After``).
+        code: the error's ``code`` (OpenAI's, e.g. ``"model_not_found"``); default: ``status``.
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+        self.code = status if code is None else code
 
     def response(self) -> JSONResponse:
         """The JSON response: ``{"error": {"message", "type", "param", "code"}}``."""
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.status}}, status_code=self.status, headers=self.headers)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -233,7 +235,7 @@ class _Server:
         """Raise a 404 ``ApiError`` unless ``model`` is ``None`` or the served name."""
         if model is not None and model != self.cfg.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                           type="NotFoundError", param="model")
+                           param="model", code="model_not_found")
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
         """Token ids of ``text``, or of the chat prompt of ``messages``. The simulated tokenizers
@@ -378,8 +380,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return await _api_error(request, ApiError(e.status_code, str(e.detail), type=kind))
+        return await _api_error(request, ApiError(e.status_code, str(e.detail)))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -524,7 +525,7 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
             for ev in evs:
                 if ev.error is not None:
                     e = _event_error(ev.error)
-                    err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
+                    err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
                     out.append(f"data: {dumps(err)}\n\n")
                     final = ev
                     break
