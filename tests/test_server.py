@@ -661,3 +661,13 @@ def test_response_ids_are_random_and_created_is_the_response_time(srv):
     t1 = int(time.time())
     assert t0 <= a["created"] <= t1 and t0 <= b["created"] <= t1
     assert {c["created"] for c in chunks} <= set(range(t0, t1 + 1)) and len({c["created"] for c in chunks}) == 1
+
+
+def test_max_tokens_reached_is_finish_reason_length():
+    with LiveServer(eos_probability=0.0) as s:
+        r = s.openai().completions.create(model=MODEL, prompt="a b c", max_tokens=5)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+        assert len(r.choices[0].text.split()) == 5  # no EOS among them: five words
+        chunks = list(s.openai().chat.completions.create(model=MODEL, max_tokens=4, stream=True,
+                                                         messages=[{"role": "user", "content": "hi"}]))
+        assert chunks[-1].choices[0].finish_reason == "length"

@@ -45,7 +45,8 @@ class ServedRequest(Request):
 
 
 class SeededGPU(inference_stub.SimulatedGPU):
-    """The simulated GPU in real time with a time scale, its tokens keyed by prompt.
+    """The simulated GPU in real time with a time scale, its tokens keyed by prompt; a request
+    that reaches ``max_tokens`` ends with ``"length"`` (no forced EOS).
 
     Args:
         time_scale: multiplies the stub's iteration latency (1.0: 5 ms + 1 ms per request, as
@@ -69,6 +70,27 @@ class SeededGPU(inference_stub.SimulatedGPU):
     def _rng_for(self, request: Request) -> random.Random:
         key = getattr(request, "seed_key", "") or request.request_id
         return random.Random(f"{self.seed}/{key}/{len(request.generated)}")
+
+    def forward(self, batch: Sequence[Request]) -> list[int]:
+        """One iteration: sleeps the scaled latency; per request EOS with ``eos_probability``,
+        else a token in 1..63. Unlike the stub it does not force EOS at ``max_tokens``: the
+        scheduler ends such a request itself, with finish reason ``"length"`` (as a model
+        server reports it), where the stub's forced EOS would read as ``"stop"``."""
+        if not batch:
+            return []
+        dt = self.latency_s(len(batch))
+        time.sleep(dt)
+        self.iterations += 1
+        self.busy_s += dt
+        return [self._draw(self._rng_for(r)) for r in batch]
+
+    def _draw(self, rng: random.Random) -> int:
+        """The stub's draw without its forced EOS: EOS w.p. ``eos_probability``, else 1..63."""
+        if rng.random() < self.eos_probability:
+            return inference_stub.EOS_TOKEN
+        return rng.randint(1, inference_stub.VOCAB_SIZE - 1)
+
+    __call__ = forward
 
     @staticmethod
     def prompt_key(prompt: Sequence[int]) -> str:
