@@ -671,3 +671,14 @@ def test_max_tokens_reached_is_finish_reason_length():
         chunks = list(s.openai().chat.completions.create(model=MODEL, max_tokens=4, stream=True,
                                                          messages=[{"role": "user", "content": "hi"}]))
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_bench_serve_counts_a_failed_stream_as_an_error():
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
+                              check_invariants=False))
+    with LiveServer(engine=engine) as s:
+        results = [asyncio.run(bench_serve.run_jobs(s.url, [bench_serve.Job(user="u", prompt_words=3,
+                                                                           max_tokens=5, tag=tag)]))[0][0]
+                   for tag in ("BAD", "fine")]  # one at a time: a failing batch fails all its requests
+    assert [r.outcome for r in results] == ["error", "ok"], [(r.outcome, r.detail) for r in results]
+    assert results[0].finish_reason == "error"
