@@ -20,10 +20,14 @@ only when there is no key (or, with ``trust_user_field``, over the key: a client
 escape its share by naming a new user per request); else ``"anonymous"``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-body that is not JSON or fails validation (``param`` names the field), 400 for text that is not
-valid Unicode (a lone surrogate), 400 for a prompt that can never fit (the message names the limit), 404 for an unknown model or path, 429 with
-``Retry-After`` when ``max_waiting`` requests already wait for their first token, 503 when
-the engine thread is down, 500 ``server_error`` for any exception a handler did not expect.
+body that is not JSON or fails validation (strict types; ``param`` names the field), 400 for
+text that is not valid Unicode (a lone surrogate), 400 for an option not implemented (``n``,
+``best_of``, ``echo``, ``logprobs``, ``suffix``, ``stop``), 400 for a prompt that can never fit
+(the message names the limit), 413 for a body over ``max_body_bytes``, 404 for an unknown
+model (code ``model_not_found``) or path, 429 with ``Retry-After`` when ``max_waiting``
+requests already wait for their first token, 503 when the engine thread is down, 500
+``server_error`` for any exception a handler did not expect. Each error answer is counted in
+``batch:request_rejected_total{code}`` by the app's error handlers.
 """
 from __future__ import annotations
 

@@ -238,13 +238,15 @@ class Engine:
             ``(sink, TokenEvent)``, ``iteration_s`` the tick's wall time in seconds.
 
     Use ``start(loop)`` once, from the event loop's thread; then ``submit`` / ``abort`` from
-    that loop; ``stop()`` ends the thread (requests still in flight are aborted).
+    that loop; ``stop()`` ends the thread (requests still in flight are aborted), and
+    ``begin_stop()`` asks it to end without waiting (the server's shutdown).
 
     A tick whose backend fails (``BackendError``) is rolled back by the scheduler and retried
     after ``backend_retry_s``; with ``Scheduler(max_backend_tries=N)`` (``build_engine`` gives
     3) the N-th consecutive failure fails that batch's requests (finish reason ``"error"``)
     and the engine goes on. Anything else ``tick()`` raises (a scheduler bug) ends the thread:
-    every waiting request gets an ``"error"`` event, ``error`` holds the exception and
+    every waiting request gets an ``"error"`` event (``EngineFailed``), so does every submit
+    still queued (``alive`` is False from the first moment), ``error`` holds the exception and
     ``/health`` answers 503.
     """
 
