@@ -24,7 +24,7 @@ $(SERVE_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 
 $(TEST_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[sim,dev,model,serve]'
-	touch $@
+	touch $@ $(RUN_STAMP) $(SERVE_STAMP)  # a superset of both: `make run` / `make serve` need not reinstall
 
 $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[bench]'

@@ -130,12 +130,17 @@ class Scheduler(RequestBook, OutputStep):
         on_tokens: the per-token output hook, ``on_tokens(pairs) -> None`` or ``None`` (default;
             also settable later as the attribute ``on_tokens``). After every tick that produced
             output tokens, ``tick()`` calls it once, on the ticking thread, after the tick was
-            applied and with no scheduler lock held, with ``pairs``: one ``(request, token_id)``
-            per request that received a token in that tick, in batch order (the tokens ``tick()``
-            appended to ``generated``; a finishing request's last token, EOS included, is among
-            them; prefill chunks that produce no token are not). ``tick()``'s return value is
-            unchanged. Whatever the hook raises propagates from ``tick()`` (the tick stays
-            applied). Unset, it costs one local ``None`` test per token.
+            applied, with ``pairs``: one ``(request, token_id)`` per request that received a
+            token in that tick, in batch order (the tokens ``tick()`` appended to ``generated``;
+            a finishing request's last token, EOS included, is among them; prefill chunks that
+            produce no token are not). It runs without the state lock but **inside** ``tick()``,
+            with the tick lock held: it may call ``submit``, ``abort``, ``metrics`` and the
+            read-only methods, but not ``tick()`` (a re-entrant ``tick()`` from the hook raises
+            ``RuntimeError``; another thread's ``tick()`` waits until the hook returns).
+            ``tick()``'s return value is unchanged. Whatever the hook raises propagates from
+            ``tick()``: the tick stays applied, and the requests it finished, which ``tick()``
+            then does not return, are in ``last_finished`` (with their finish reasons) until the
+            next tick. Unset, it costs one local ``None`` test per token.
 
     Raises:
         ValueError: a knob is not a positive int (``max_preemptions``: a non-negative int;
@@ -201,6 +206,7 @@ class Scheduler(RequestBook, OutputStep):
             raise ValueError(f"on_tokens must be a callable or None, got {on_tokens!r}")
         self.on_tokens: Callable[[list[tuple[Request, int]]], None] | None = on_tokens
         self._tick_tokens: list[tuple[Request, int]] | None = None  # this tick's pairs, for on_tokens
+        self._hook_thread: int | None = None  # the thread running on_tokens (inside tick()), else None
         self.clock: Callable[[], float] = clock or wall_clock
         self._backend = backend
         self.policy: Policy = policy if policy is not None else VTCPolicy()
@@ -330,7 +336,12 @@ class Scheduler(RequestBook, OutputStep):
                 the ``BackendError``).
             Exception: whatever an override of ``update_from_output`` raises, as it is; the
                 tick is no longer in flight and its deferred aborts are applied.
+            RuntimeError: called from the ``on_tokens`` hook (which runs inside ``tick()``).
+            Exception: whatever the ``on_tokens`` hook raises, as it is; the tick was applied
+                and ``last_finished`` lists what it finished.
         """
+        if self._hook_thread is not None and self._hook_thread == threading.get_ident():
+            raise RuntimeError("tick() called from the on_tokens hook; the hook runs inside tick() (tick lock held)")
         with self._tick_lock:
             with self._lock:
                 start_s = self.clock()
@@ -381,8 +392,12 @@ class Scheduler(RequestBook, OutputStep):
                     self._end_inflight()
                     pairs, self._tick_tokens = self._tick_tokens, None
             hook = self.on_tokens
-            if hook is not None and pairs:  # outside the locks: the hook may call abort, submit, metrics
-                hook(pairs)
+            if hook is not None and pairs:  # outside the state lock: the hook may call abort, submit, metrics
+                self._hook_thread = threading.get_ident()
+                try:
+                    hook(pairs)
+                finally:
+                    self._hook_thread = None
             return finished
 
     def abort(self, request: Request | str) -> Request | None:

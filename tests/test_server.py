@@ -148,7 +148,7 @@ def test_raw_sse_format_and_usage(srv):
     assert usage["usage"]["completion_tokens"] == len(tokens)  # one chunk per token, EOS included
 
 
-def test_fairness_key_user_then_api_key_then_anonymous(tmp_path):
+def test_fairness_key_api_key_then_user_then_anonymous(tmp_path):
     cfg_file = tmp_path / "users.toml"
     cfg_file.write_text('[weights]\nalice = 3\n[api_keys]\n"sk-alice" = "alice"\n')
     users = load_config(cfg_file)
@@ -157,12 +157,32 @@ def test_fairness_key_user_then_api_key_then_anonymous(tmp_path):
         assert s.engine.scheduler.policy.weight_of("alice") == 3
         s.openai("sk-alice").completions.create(model=MODEL, prompt="x", max_tokens=2)
         s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2)
-        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")
+        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")  # key wins
         httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "dave"})  # no key
         m = bench_serve.scrape(s.url)
     users_seen = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
-    assert "alice" in users_seen and "carol" in users_seen and "anonymous" in users_seen
+    assert "alice" in users_seen and "dave" in users_seen and "anonymous" in users_seen
+    assert "carol" not in users_seen
     assert any(u.startswith("key-") and "sk-other" not in u for u in users_seen)  # the key itself never shown
+
+
+def test_with_an_api_key_random_user_values_share_one_fairness_key():
+    seen = []
+    with LiveServer(ServerConfig(api_keys={"sk-heavy": "heavy"})) as s:
+        submit = s.engine.submit
+        s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
+        for i in range(5):
+            s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
+            s.openai("sk-unlisted").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
+    assert seen[0::2] == ["heavy"] * 5 and len(set(seen[1::2])) == 1 and seen[1].startswith("key-")
+    seen.clear()
+    with LiveServer(ServerConfig(api_keys={"sk-heavy": "heavy"}, trust_user_field=True)) as s:
+        submit = s.engine.submit
+        s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
+        s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")
+        s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert seen == ["carol", "heavy"]
 
 
 def test_config_files(tmp_path):
@@ -236,6 +256,16 @@ def test_concurrent_users(srv):
     (b'{"prompt": ["a", "b"]}', "prompt"),
     (b'{"prompt": "x", "stream": "yes please"}', "stream"),
     (b'{"prompt": "   "}', "prompt"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"prompt": "x", "stream": 1}', "stream"),
+    (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 2.0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": NaN}', "max_tokens"),
+    (b'{"prompt": [true, false]}', "prompt"),
+    (b'{"prompt": [1.0, 2.0]}', "prompt"),
+    (b'{"prompt": "x", "user": 5}', "user"),
+    (b'{"prompt": "x", "model": 5}', "model"),
 ])
 def test_bad_bodies_get_openai_errors(srv, body, param):
     r = httpx.post(f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -247,16 +277,30 @@ def test_bad_bodies_get_openai_errors(srv, body, param):
 def test_bad_chat_bodies_and_unknown_model(srv):
     r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for body, param in (({"messages": [{"role": "user", "content": 5}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "3"},
+                         "max_completion_tokens")):
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": None})
+    assert ok.status_code == 200 and ok.json()["object"] == "text_completion"  # null: the default
     with pytest.raises(openai.NotFoundError):
         srv.openai().completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    err = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "model": "gpt-9"}).json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found" and err["param"] == "model"
+    err = httpx.get(f"{srv.url}/nowhere").json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 404
     with pytest.raises(openai.BadRequestError):
         srv.openai().completions.create(model=MODEL, prompt="x", max_tokens=-1)
     assert httpx.get(f"{srv.url}/nowhere").json()["error"]["code"] == 404
 
 
 def test_prompt_too_long_is_400_naming_the_limit(srv):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # text: counting stops past the limit
         srv.openai().completions.create(model=MODEL, prompt="w " * 5000, max_tokens=5)
+    assert e.value.status_code == 400 and "more than 4095 tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # token ids: counted
+        srv.openai().completions.create(model=MODEL, prompt=[1] * 5000, max_tokens=5)
     assert e.value.status_code == 400 and "4095" in str(e.value) and "5000" in str(e.value)
     ok = srv.openai().completions.create(model=MODEL, prompt="w " * 4095, max_tokens=2)  # the limit itself fits
     assert ok.usage.prompt_tokens == 4095
@@ -396,3 +440,245 @@ def test_model_backend_over_http_stream_matches_non_stream(tmp_path):
         b = "".join(c.choices[0].text for c in client.completions.create(model="tiny-llama", prompt="hello",
                                                                          max_tokens=8, stream=True))
         assert a.choices[0].text == b and a.usage.prompt_tokens == 5
+
+
+# ---------------------------------------------------------------- review findings
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "\\ud800 hi", "max_tokens": 3}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 3}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 3}', "messages"),
+])
+def test_lone_surrogate_is_400_naming_the_field(srv, path, raw, param):
+    r = httpx.post(f"{srv.url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_unexpected_exception_is_an_openai_shaped_500(srv, monkeypatch):
+    def boom(text):
+        raise KeyError("tokenizer bug")
+    monkeypatch.setattr(srv.app.state.server.tok, "encode", boom)
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == 500 and set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000,
+                                 b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"],
+                         ids=["body", "extra-field"])
+def test_deeply_nested_json_is_400(srv, raw):
+    r = httpx.post(f"{srv.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_over_the_limit_is_413_before_parsing():
+    with LiveServer(ServerConfig(max_body_bytes=1000)) as s:
+        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "w " * 100, "max_tokens": 2})
+        assert ok.status_code == 200
+        big = json.dumps({"prompt": "w " * 1000, "max_tokens": 2}).encode()
+        r = httpx.post(f"{s.url}/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
+        chunked = httpx.post(f"{s.url}/v1/chat/completions", content=iter([big[:600], big[600:]]),
+                             headers={"content-type": "application/json"})  # no Content-Length: counted
+        assert chunked.status_code == 413 and set(chunked.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tokenizers_stop_past_the_limit():
+    words, n = WordTokenizer(), 10
+    assert words.encode("a b c") == words.encode("a b c", limit=n)
+    assert len(words.encode("w " * 1000, limit=n)) == n + 1
+    assert words.encode("w " * 1000, limit=n) == words.encode("w " * (n + 1))
+    from batch.server.tokenizer import ByteTokenizer
+    assert ByteTokenizer().encode("é" * 100, limit=n) == list(("é" * 100).encode())[:n + 1]
+
+
+def test_engine_death_answers_requests_queued_during_the_fatal_tick():
+    # The fatal tick runs 0.5 s; requests sent meanwhile sit in the engine's command queue when
+    # the thread dies. Each must be answered (503, or a stream's error chunk then [DONE]).
+    with LiveServer(time_scale=0.2) as s:
+        sched = s.engine.scheduler
+        orig, armed = sched.update_from_output, threading.Event()
+
+        def boom(*a, **k):
+            if armed.is_set():
+                time.sleep(0.5)
+                raise RuntimeError("scheduler bug")
+            return orig(*a, **k)
+        sched.update_from_output = boom
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=15) as c:
+                assert (await c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 3})).status_code == 200
+                armed.set()
+                first = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "first", "max_tokens": 50}))
+                await asyncio.sleep(0.2)  # the fatal tick is running
+
+                async def one(i):
+                    body = {"prompt": f"p{i}", "max_tokens": 5, "stream": i % 2 == 1}
+                    if not body["stream"]:
+                        r = await c.post("/v1/completions", json=body)
+                        return r.status_code, r.json()["error"]["type"]
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                    assert lines[-1] == "data: [DONE]"
+                    return r.status_code, json.loads(lines[-2][6:])["error"]["type"]
+                rest = await asyncio.gather(*(one(i) for i in range(6)))
+                return await first, rest
+        first, rest = asyncio.run(go())
+        assert first.status_code == 503
+        for i, (code, kind) in enumerate(rest):
+            assert code == (200 if i % 2 else 503) and kind == "service_unavailable", (i, code, kind)
+        assert not s.engine.alive
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+def test_per_user_metric_labels_are_bounded():
+    with LiveServer(ServerConfig(known_users=("vip",), max_user_labels=3), weights={"vip": 2}) as s:
+        for u in ["vip", *(f"rnd{i}" for i in range(8))]:
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2, "user": u})
+            assert r.status_code == 200
+        m = bench_serve.scrape(s.url)
+    labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
+    assert labelled == {"vip", "rnd0", "rnd1", "rnd2", "other"}
+    assert m['batch:prompt_tokens_total{user="other"}'] == 5 * 2
+    gen = {k.split('"')[1] for k in m if k.startswith("batch:generation_tokens_total{")}
+    ttft = {k.split('"')[1] for k in m if k.startswith("batch:user_time_to_first_token_seconds_count{")}
+    assert gen == ttft == labelled
+
+
+@pytest.mark.parametrize("sig, times", [("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
+def test_shutdown_under_load_ends_every_stream_and_exits(sig, times):
+    # `batch serve` in its own process, 8 endless streams open (no EOS, 3000 tokens each); a
+    # signal (or two): every stream ends with a last chunk finish_reason "abort" and [DONE], the
+    # server exits within its --shutdown-timeout (plus slack), says so once, no traceback.
+    import signal
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "batch.commands", "serve", "--port", str(port),
+                             "--eos-probability", "0", "--time-scale", "0.5", "--shutdown-timeout", "5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+        async def go():
+            started = asyncio.Event()
+            n_started = [0]
+
+            async def one(c, i):
+                body = {"prompt": f"s{i} t", "max_tokens": 3000, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = []
+                    async for ln in r.aiter_lines():
+                        if ln.startswith("data: "):
+                            lines.append(ln)
+                            if len(lines) == 2:
+                                n_started[0] += 1
+                                if n_started[0] == 8:
+                                    started.set()
+                    return lines
+
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                tasks = [asyncio.ensure_future(one(c, i)) for i in range(8)]
+                await asyncio.wait_for(started.wait(), 30)
+                t0 = time.monotonic()
+                for _ in range(times):
+                    proc.send_signal(getattr(signal, sig))
+                    await asyncio.sleep(0.01)
+                return await asyncio.gather(*tasks), t0
+        streams, t0 = asyncio.run(go())
+        proc.wait(timeout=5 + 10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = proc.communicate()
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert elapsed < 5 + 10 and "Traceback" not in err, err
+    assert err.count("shutting down") == 1, err
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"n": 0}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    ({"logprobs": 5}, "logprobs"), ({"logprobs": 0}, "logprobs"), ({"suffix": "x"}, "suffix"),
+    ({"stop": "\n"}, "stop"), ({"stop": ["a", "b"]}, "stop"),
+])
+def test_unsupported_options_are_400_naming_the_field(srv, extra, param):
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+    if param == "logprobs":
+        chat["logprobs"] = True
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_unsupported_options_are_accepted(srv):
+    body = {"prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": "",
+            "stop": [], "temperature": 0.7}
+    assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 1, "logprobs": False, "stop": None}
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_every_error_answer_is_counted_by_status():
+    with LiveServer(ServerConfig(max_body_bytes=2000)) as s:
+        bad = [("/v1/completions", {"prompt": "x", "n": 2}), ("/v1/completions", {"prompt": "\ud800"}),
+               ("/v1/completions", {"prompt": "x", "max_tokens": "5"}), ("/v1/completions", {"prompt": "w " * 5000}),
+               ("/v1/chat/completions", {"messages": []}), ("/v1/completions", {"prompt": "x", "model": "gpt-9"}),
+               ("/nowhere", {})]
+        codes = [httpx.post(f"{s.url}{p}", content=json.dumps(b), headers={"content-type": "application/json"})
+                 .status_code for p, b in bad]
+        assert codes == [400, 400, 400, 413, 400, 404, 404]
+        m = bench_serve.scrape(s.url)
+    assert m.get('batch:request_rejected_total{code="400"}') == 4
+    assert m.get('batch:request_rejected_total{code="413"}') == 1
+    assert m.get('batch:request_rejected_total{code="404"}') == 2
+
+
+def test_response_ids_are_random_and_created_is_the_response_time(srv):
+    import re
+    t0 = int(time.time())
+    a = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()
+    b = httpx.post(f"{srv.url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).json()
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", a["id"]) and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", b["id"])
+    assert a["id"] != chunks[0]["id"]
+    t1 = int(time.time())
+    assert t0 <= a["created"] <= t1 and t0 <= b["created"] <= t1
+    assert {c["created"] for c in chunks} <= set(range(t0, t1 + 1)) and len({c["created"] for c in chunks}) == 1
+
+
+def test_max_tokens_reached_is_finish_reason_length():
+    with LiveServer(eos_probability=0.0) as s:
+        r = s.openai().completions.create(model=MODEL, prompt="a b c", max_tokens=5)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+        assert len(r.choices[0].text.split()) == 5  # no EOS among them: five words
+        chunks = list(s.openai().chat.completions.create(model=MODEL, max_tokens=4, stream=True,
+                                                         messages=[{"role": "user", "content": "hi"}]))
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_bench_serve_counts_a_failed_stream_as_an_error():
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
+                              check_invariants=False))
+    with LiveServer(engine=engine) as s:
+        results = [asyncio.run(bench_serve.run_jobs(s.url, [bench_serve.Job(user="u", prompt_words=3,
+                                                                           max_tokens=5, tag=tag)]))[0][0]
+                   for tag in ("BAD", "fine")]  # one at a time: a failing batch fails all its requests
+    assert [r.outcome for r in results] == ["error", "ok"], [(r.outcome, r.detail) for r in results]
+    assert results[0].finish_reason == "error"

@@ -1,6 +1,8 @@
 """The scheduler's per-token output hook (``Scheduler(on_tokens=...)``, issue 19)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from conftest import ScriptedBackend, drain, make_req
@@ -39,7 +41,7 @@ def test_hook_unset_changes_nothing_and_can_be_set_later():
     assert ra[0].generated == rb[0].generated == [t for _, t in got]
 
 
-def test_hook_runs_outside_the_lock_and_may_abort():
+def test_hook_runs_outside_the_state_lock_and_may_abort():
     s = Scheduler(backend=ScriptedBackend())
     victim = make_req("v", max_tokens=50)
     aborted = []
@@ -59,3 +61,41 @@ def test_hook_runs_outside_the_lock_and_may_abort():
 def test_hook_must_be_callable():
     with pytest.raises(ValueError, match="on_tokens"):
         Scheduler(on_tokens=3)
+
+
+def test_hook_calling_tick_raises_instead_of_deadlocking():
+    s = Scheduler(backend=ScriptedBackend())
+    s.submit(make_req("r0", max_tokens=5))
+    raised = []
+
+    def hook(pairs):
+        try:
+            s.tick()
+        except RuntimeError as e:
+            raised.append(e)
+
+    s.on_tokens = hook
+    t = threading.Thread(target=drain, args=(s,), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "tick() from the hook deadlocked"
+    assert raised and "on_tokens" in str(raised[0])
+    assert not s.has_active() and s.pool.num_free == s.kv_cap_blocks
+
+
+def test_a_raising_hook_leaves_the_tick_applied_and_its_finished_in_last_finished():
+    s = Scheduler(backend=ScriptedBackend(eos_at={"r0": 1}))
+    r = make_req("r0", max_tokens=5)
+    s.submit(r)
+
+    def hook(pairs):
+        raise ValueError("hook bug")
+
+    s.on_tokens = hook
+    with pytest.raises(ValueError, match="hook bug"):
+        while s.has_active():
+            s.tick()
+    assert r.completed_at is not None and [(q.request_id, why) for q, why in s.last_finished] == [("r0", "stop")]
+    s.on_tokens = None
+    s.submit(make_req("r1", max_tokens=2))  # the scheduler goes on: the next tick works
+    assert [q.request_id for q in drain(s)] == ["r1"]

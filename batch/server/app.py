@@ -8,20 +8,26 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or no
 Request fields used: ``prompt`` (completions: a string, a list of token ids, or a list of
 exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
 ``max_completion_tokens``; default 16), ``stream``, ``stream_options.include_usage``,
-``user``, ``model`` (must be the served name when given). Other OpenAI fields (temperature,
-top_p, ...) are accepted and ignored: decoding is the backend's (the simulated GPU's draw,
-or the model's greedy argmax).
+``user``, ``model`` (must be the served name when given). Refused with a 400 naming the field,
+as not implemented: ``n`` other than 1, ``best_of`` over 1, ``echo``, ``logprobs``,
+``suffix``, a non-empty ``stop``. Other OpenAI fields (temperature, top_p, ...) are accepted and
+ignored: decoding is the backend's (the simulated GPU's draw, or the model's greedy argmax).
 
-Fairness key (the scheduler's ``user_id``): the body's ``user``; else the API key of an
-``Authorization: Bearer`` header, mapped to a user name by the config's ``api_keys`` when
-listed there, else ``key-`` + the first 12 hex digits of its SHA-256 (the key itself is never
-shown); else ``"anonymous"``.
+Fairness key (the scheduler's ``user_id``): the API key of an ``Authorization: Bearer``
+header, mapped to a user name by the config's ``api_keys`` when listed there, else ``key-`` +
+the first 12 hex digits of its SHA-256 (the key itself is never shown); the body's ``user``
+only when there is no key (or, with ``trust_user_field``, over the key: a client could then
+escape its share by naming a new user per request); else ``"anonymous"``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-body that is not JSON or fails validation (``param`` names the field), 400 for a prompt that
-can never fit (the message names the limit), 404 for an unknown model or path, 429 with
-``Retry-After`` when ``max_waiting`` requests already wait for their first token, 503 when
-the engine thread is down.
+body that is not JSON or fails validation (strict types; ``param`` names the field), 400 for
+text that is not valid Unicode (a lone surrogate), 400 for an option not implemented (``n``,
+``best_of``, ``echo``, ``logprobs``, ``suffix``, ``stop``), 400 for a prompt that can never fit
+(the message names the limit), 413 for a body over ``max_body_bytes``, 404 for an unknown
+model (code ``model_not_found``) or path, 429 with ``Retry-After`` when ``max_waiting``
+requests already wait for their first token, 503 when the engine thread is down, 500
+``server_error`` for any exception a handler did not expect. Each error answer is counted in
+``batch:request_rejected_total{code}`` by the app's error handlers.
 """
 from __future__ import annotations
 
@@ -35,12 +41,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
+from scheduler import RequestError
 
 __all__ = ["ServerConfig", "ApiError", "create_app"]
 
@@ -59,6 +66,13 @@ class ServerConfig:
         retry_after_s: the ``Retry-After`` header of a 429, whole seconds.
         api_keys: API key -> user name (fairness key for requests without ``user``).
         seed_by_prompt: key the simulated GPU's tokens by the prompt (``SeededGPU``).
+        max_body_bytes: largest request body read; a larger one gets 413 before it is parsed.
+        trust_user_field: the body's ``user`` wins over the API key as the fairness key (off:
+            the key decides, so a key's holder cannot claim a fresh share per request).
+        known_users: users labelled by name in per-user metrics (the config's weighted users;
+            the users of ``api_keys`` are added).
+        max_user_labels: how many other users get their own per-user metric label; later ones
+            are counted under ``user="other"``.
     """
 
     model_name: str = "batch-sim"
@@ -66,6 +80,10 @@ class ServerConfig:
     retry_after_s: int = 1
     api_keys: dict[str, str] = field(default_factory=dict)
     seed_by_prompt: bool = True
+    max_body_bytes: int = 4 * 1024 * 1024
+    trust_user_field: bool = False
+    known_users: tuple[str, ...] = ()
+    max_user_labels: int = 100
 
 
 class ApiError(Exception):
@@ -77,50 +95,75 @@ class ApiError(Exception):
         type: OpenAI's error type (``invalid_request_error``, ...).
         param: the offending field, or ``None``.
         headers: extra response headers (``Retry-After``).
+        code: the error's ``code`` (OpenAI's, e.g. ``"model_not_found"``); default: ``status``.
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+        self.code = status if code is None else code
 
     def response(self) -> JSONResponse:
         """The JSON response: ``{"error": {"message", "type", "param", "code"}}``."""
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.status}}, status_code=self.status, headers=self.headers)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 # ---------------------------------------------------------------- request bodies
 
 
 class _Body(BaseModel):
+    """The fields both endpoints read; strict types (no coercion: ``"5"``, ``true`` or ``2.0``
+    is not an int, ``"yes"`` or ``1`` not a bool); ``null`` is the default."""
+
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
-    user: str | None = None
+    user: StrictStr | None = None
+    # OpenAI fields this server does not implement: refused (400) unless absent or neutral
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    logprobs: StrictBool | StrictInt | None = None
+    suffix: StrictStr | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+
+    def check_supported(self) -> None:
+        """Raise a 400 naming the field for an option this server would otherwise ignore:
+        ``n`` != 1, ``best_of`` > 1, ``echo``, ``logprobs``, ``suffix`` or a non-empty ``stop``."""
+        for param, unsupported, what in (
+                ("n", self.n is not None and self.n != 1, "only n = 1 is supported"),
+                ("best_of", self.best_of is not None and self.best_of > 1, "only best_of = 1 is supported"),
+                ("echo", bool(self.echo), "echo is not supported"),
+                ("logprobs", self.logprobs is not None and self.logprobs is not False, "logprobs are not supported"),
+                ("suffix", bool(self.suffix), "suffix is not supported"),
+                ("stop", bool(self.stop), "stop sequences are not supported")):
+            if unsupported:
+                raise ApiError(400, f"{param}: {what} by this server", param=param)
 
 
 class CompletionBody(_Body):
     """``/v1/completions``: ``prompt`` is text, token ids, or a list of exactly one of those."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
 
 
 class ChatMessage(BaseModel):
     """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts."""
 
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
 
 
 class ChatBody(_Body):
     """``/v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -134,6 +177,17 @@ def _validation_error(e: ValidationError) -> ApiError:
         where = ".".join(str(x) for x in loc[1:])
         msg = f"{where + ': ' if where else ''}{err.get('msg', 'invalid')}"
     return ApiError(400, f"{param or 'body'}: {msg}", param=param)
+
+
+def _check_text(text: str, param: str) -> str:
+    """``text`` if it encodes as UTF-8; else a 400 naming ``param`` (JSON may carry a lone
+    surrogate such as ``"\\ud800"``, which no tokenizer can encode)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})",
+                       param=param) from None
+    return text
 
 
 def _text_of(m: ChatMessage) -> str:
@@ -153,8 +207,10 @@ class _Server:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig) -> None:
         if cfg.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {cfg.max_waiting}")
+        if cfg.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {cfg.max_body_bytes}")
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, (*cfg.known_users, *cfg.api_keys.values()), cfg.max_user_labels)
         self.waiting = 0  # accepted, no first token or end yet (event loop only)
         self.created = int(time.time())
         self.max_prompt_tokens = engine.scheduler.max_model_len_tokens - 1
@@ -171,23 +227,43 @@ class _Server:
     # ------------------------------------------------------------ request handling
 
     def user_of(self, body_user: str | None, request: Request) -> str:
-        """The fairness key: ``user``, else the bearer API key's user, else ``anonymous``."""
-        if body_user:
-            return body_user
+        """The fairness key: the bearer API key's user (the body's ``user`` ignored, unless
+        ``trust_user_field``); without a key, ``user``; else ``anonymous``."""
         auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            key = auth[7:].strip()
-            if key:
-                return self.cfg.api_keys.get(key) or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-        return "anonymous"
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if key and not (body_user and self.cfg.trust_user_field):
+            return self.cfg.api_keys.get(key) or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        return body_user or "anonymous"
 
     def check_model(self, model: str | None) -> None:
         """Raise a 404 ``ApiError`` unless ``model`` is ``None`` or the served name."""
         if model is not None and model != self.cfg.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                           type="NotFoundError", param="model")
+                           param="model", code="model_not_found")
 
-    def prompt_ids(self, prompt: Any) -> list[int]:
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Token ids of ``text``, or of the chat prompt of ``messages``. The simulated tokenizers
+        stop past ``max_prompt_tokens`` (enough to refuse a prompt too long); a tokenizer with
+        ``encode_off_loop`` (Hugging Face's) runs in a worker thread, off the event loop."""
+        tok, limit = self.tok, self.max_prompt_tokens
+
+        def run() -> list[int]:
+            return tok.encode(tok.chat_prompt(messages) if messages is not None else text, limit)
+
+        if getattr(tok, "encode_off_loop", False):
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        return run()
+
+    def too_long(self, n_tokens: int) -> ApiError:
+        """The 400 for a prompt over ``max_prompt_tokens`` (``max_prompt_tokens + 1``: counting
+        stopped there, so the message says "more than")."""
+        s, limit = self.engine.scheduler, self.max_prompt_tokens
+        n = f"more than {limit}" if n_tokens == limit + 1 else str(n_tokens)
+        return ApiError(400, f"prompt: {n} tokens; this server's limit is {limit} prompt tokens (KV cache "
+                             f"{s.kv_cap_blocks} blocks x {s.block_tokens} tokens = {s.max_model_len_tokens}, "
+                             f"one slot kept for the first output token)", param="prompt")
+
+    async def prompt_ids(self, prompt: Any) -> list[int]:
         """Token ids of a completion prompt (text or ids; a list of one of them)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -195,7 +271,9 @@ class _Server:
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tok.encode(prompt)
+            return await self.tokenize(_check_text(prompt, "prompt"))
+        if len(prompt) > self.max_prompt_tokens:
+            raise self.too_long(len(prompt))
         vocab = self.engine.scheduler.vocab_size
         for t in prompt:
             if t < 0 or (vocab is not None and t >= vocab):
@@ -211,20 +289,12 @@ class _Server:
                 engine down.
         """
         if not self.engine.alive:
-            self.metrics.rejected.labels("503").inc()
             raise ApiError(503, "the engine is not running", type="service_unavailable")
         if not ids:
-            self.metrics.rejected.labels("400").inc()
             raise ApiError(400, "prompt: empty (it must hold at least one token)", param="prompt")
         if len(ids) > self.max_prompt_tokens:
-            self.metrics.rejected.labels("400").inc()
-            s = self.engine.scheduler
-            raise ApiError(400, f"prompt: {len(ids)} tokens; this server's limit is {self.max_prompt_tokens} prompt "
-                                f"tokens (KV cache {s.kv_cap_blocks} blocks x {s.block_tokens} tokens = "
-                                f"{s.max_model_len_tokens}, one slot kept for the first output token)",
-                           param="prompt")
+            raise self.too_long(len(ids))
         if self.waiting >= self.cfg.max_waiting:
-            self.metrics.rejected.labels("429").inc()
             raise ApiError(429, f"server busy: {self.waiting} requests already wait for their first token "
                                 f"(max_waiting = {self.cfg.max_waiting}); retry later",
                            type="rate_limit_error", headers={"Retry-After": str(self.cfg.retry_after_s)})
@@ -232,7 +302,7 @@ class _Server:
         req = ServedRequest(user_id=user, prompt=ids, max_tokens=max_tokens, request_id=rid,
                             seed_key=SeededGPU.prompt_key(ids) if self.cfg.seed_by_prompt else "")
         self.waiting += 1
-        self.metrics.prompt_tokens.labels(user).inc(len(ids))
+        self.metrics.prompt_tokens.labels(self.metrics.user_label(user)).inc(len(ids))
         return self.engine.submit(req, stream)
 
     def abort(self, sink: TokenSink) -> None:
@@ -249,12 +319,25 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+async def _json(request: Request, max_bytes: int) -> Any:
+    """The body parsed as JSON; 413 past ``max_bytes`` (by ``Content-Length`` before reading,
+    or by the bytes read), 400 if it is not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body is {int(declared)} bytes; this server's limit is {max_bytes} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise ApiError(413, f"the body is over this server's limit of {max_bytes} bytes")
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON here: nested too deeply") from None
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = None) -> FastAPI:
@@ -283,14 +366,25 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     app = FastAPI(title="Batch", lifespan=lifespan)
     app.state.server = srv
 
+    # Every error answer goes through one of these handlers, which count it in
+    # batch:request_rejected_total{code} (the one place where requests refused are counted).
+    rejected = srv.metrics.rejected
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        rejected.labels(str(e.status)).inc()
         return e.response()
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        # Any exception a handler did not expect (a bug): OpenAI's shape, never plain text.
+        # Starlette re-raises it after sending this, so uvicorn still logs its traceback.
+        return await _api_error(request, ApiError(500, f"internal server error: {type(e).__name__}",
+                                                  type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return ApiError(e.status_code, str(e.detail), type=kind).response()
+        return await _api_error(request, ApiError(e.status_code, str(e.detail)))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -311,7 +405,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.get("/metrics")
     async def metrics() -> Response:
         """Every metric in Prometheus' text format (``batch.server.metrics``)."""
-        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+        text = await asyncio.get_running_loop().run_in_executor(None, srv.metrics.render)  # off the loop
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -323,32 +418,44 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     async def completions(request: Request) -> Response:
         """OpenAI's completions: a ``text_completion`` object, or its chunks as server-sent events."""
         try:
-            body = CompletionBody.model_validate(await _json(request))
+            body = CompletionBody.model_validate(await _json(request, cfg.max_body_bytes))
         except ValidationError as e:
-            srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
+        body.check_supported()
         srv.check_model(body.model)
-        ids = srv.prompt_ids(body.prompt)
+        ids = await srv.prompt_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
-        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", body.stream)
+        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", bool(body.stream))
         return await _respond(srv, request, sink, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         """OpenAI's chat completions: a ``chat.completion`` object, or ``chat.completion.chunk`` events."""
         try:
-            body = ChatBody.model_validate(await _json(request))
+            body = ChatBody.model_validate(await _json(request, cfg.max_body_bytes))
         except ValidationError as e:
-            srv.metrics.rejected.labels("400").inc()
             raise _validation_error(e) from None
+        body.check_supported()
         srv.check_model(body.model)
-        text = tokenizer.chat_prompt([{"role": m.role, "content": _text_of(m)} for m in body.messages])
-        ids = tokenizer.encode(text)
+        msgs = [{"role": _check_text(m.role, "messages"), "content": _check_text(_text_of(m), "messages")}
+                for m in body.messages]
+        ids = await srv.tokenize(messages=msgs)
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", body.stream)
+        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", bool(body.stream))
         return await _respond(srv, request, sink, body, chat=True)
 
     return app
+
+
+def _event_error(error: Exception) -> ApiError:
+    """The error of a request's error event: the scheduler refused it (400
+    ``invalid_request_error``), the engine is down (503 ``service_unavailable``), or anything
+    else (500 ``server_error``)."""
+    if isinstance(error, RequestError):
+        return ApiError(400, str(error))
+    if isinstance(error, EngineFailed):
+        return ApiError(503, str(error), type="service_unavailable")
+    return ApiError(500, str(error), type="server_error")
 
 
 def _usage(sink: TokenSink) -> dict[str, int]:
@@ -375,14 +482,12 @@ async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body,
     final = sink.final
     assert final is not None
     if final.error is not None:  # refused by the scheduler (400), or the engine died (503)
-        dead = isinstance(final.error, EngineFailed)
-        raise ApiError(503 if dead else 400, str(final.error), type="service_unavailable" if dead else
-                       "invalid_request_error")
+        raise _event_error(final.error)
     if final.finish_reason == "error":
         raise ApiError(500, "the backend failed on this request's batch (after retries)", type="server_error")
     req = sink.request
     text = srv.tok.decode(req.generated)
-    rid, created, model = req.request_id, srv.created, srv.cfg.model_name
+    rid, created, model = req.request_id, int(time.time()), srv.cfg.model_name
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": final.finish_reason}
@@ -399,8 +504,9 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
     a last chunk with the finish reason, a usage chunk if asked, then ``data: [DONE]``. If the
     client goes away, Starlette cancels this generator and ``finally`` aborts the request."""
     req = sink.request
+    created = int(time.time())  # the response's creation, the same in each of its chunks
     head = (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-            f'"created":{srv.created},"model":{srv._model_json},"choices":[{{"index":0,')
+            f'"created":{created},"model":{srv._model_json},"choices":[{{"index":0,')
     dumps = json.dumps
 
     def chunk(text: str, reason: str | None) -> str:
@@ -422,8 +528,8 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
             out = []
             for ev in evs:
                 if ev.error is not None:
-                    err = {"error": {"message": str(ev.error), "type": "invalid_request_error", "param": None,
-                                     "code": 400}}
+                    e = _event_error(ev.error)
+                    err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
                     out.append(f"data: {dumps(err)}\n\n")
                     final = ev
                     break
@@ -436,7 +542,7 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
             yield "".join(out)
         if include_usage:
             yield (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                   f'"created":{srv.created},"model":{srv._model_json},"choices":[],"usage":{dumps(_usage(sink))}}}\n\n')
+                   f'"created":{created},"model":{srv._model_json},"choices":[],"usage":{dumps(_usage(sink))}}}\n\n')
         yield "data: [DONE]\n\n"
     finally:
         srv.abort(sink)

@@ -71,7 +71,8 @@ class Result:
 
     Attributes:
         outcome: ``ok`` (read to ``[DONE]``), ``disconnected`` (closed by us on purpose),
-            ``rejected`` (429), ``error`` (another status or an exception; ``detail`` says).
+            ``rejected`` (429), ``error`` (another status, an exception, or a stream that
+            carried an error chunk or ended with ``finish_reason: "error"``; ``detail`` says).
         chunk_s: arrival time of every token chunk.
     """
 
@@ -141,9 +142,12 @@ async def _one(client: httpx.AsyncClient, base_url: str, job: Job, index: int, m
                     continue
                 now = time.perf_counter()
                 if line == "data: [DONE]":
-                    res.outcome, res.done_s = "ok", now
+                    failed = res.detail or res.finish_reason == "error"
+                    res.outcome, res.done_s = ("error" if failed else "ok"), now
+                    if res.finish_reason == "error" and not res.detail:
+                        res.detail = 'finish_reason "error"'
                     return res
-                if '"error"' in line[:16]:
+                if '"error"' in line[:16]:  # an error chunk: the request failed after its 200
                     res.detail = line[6:200]
                     continue
                 res.chunk_s.append(now)

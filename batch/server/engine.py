@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import queue
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -45,7 +45,8 @@ class ServedRequest(Request):
 
 
 class SeededGPU(inference_stub.SimulatedGPU):
-    """The simulated GPU in real time with a time scale, its tokens keyed by prompt.
+    """The simulated GPU in real time with a time scale, its tokens keyed by prompt; a request
+    that reaches ``max_tokens`` ends with ``"length"`` (no forced EOS).
 
     Args:
         time_scale: multiplies the stub's iteration latency (1.0: 5 ms + 1 ms per request, as
@@ -69,6 +70,27 @@ class SeededGPU(inference_stub.SimulatedGPU):
     def _rng_for(self, request: Request) -> random.Random:
         key = getattr(request, "seed_key", "") or request.request_id
         return random.Random(f"{self.seed}/{key}/{len(request.generated)}")
+
+    def forward(self, batch: Sequence[Request]) -> list[int]:
+        """One iteration: sleeps the scaled latency; per request EOS with ``eos_probability``,
+        else a token in 1..63. Unlike the stub it does not force EOS at ``max_tokens``: the
+        scheduler ends such a request itself, with finish reason ``"length"`` (as a model
+        server reports it), where the stub's forced EOS would read as ``"stop"``."""
+        if not batch:
+            return []
+        dt = self.latency_s(len(batch))
+        time.sleep(dt)
+        self.iterations += 1
+        self.busy_s += dt
+        return [self._draw(self._rng_for(r)) for r in batch]
+
+    def _draw(self, rng: random.Random) -> int:
+        """The stub's draw without its forced EOS: EOS w.p. ``eos_probability``, else 1..63."""
+        if rng.random() < self.eos_probability:
+            return inference_stub.EOS_TOKEN
+        return rng.randint(1, inference_stub.VOCAB_SIZE - 1)
+
+    __call__ = forward
 
     @staticmethod
     def prompt_key(prompt: Sequence[int]) -> str:
@@ -216,13 +238,15 @@ class Engine:
             ``(sink, TokenEvent)``, ``iteration_s`` the tick's wall time in seconds.
 
     Use ``start(loop)`` once, from the event loop's thread; then ``submit`` / ``abort`` from
-    that loop; ``stop()`` ends the thread (requests still in flight are aborted).
+    that loop; ``stop()`` ends the thread (requests still in flight are aborted), and
+    ``begin_stop()`` asks it to end without waiting (the server's shutdown).
 
     A tick whose backend fails (``BackendError``) is rolled back by the scheduler and retried
     after ``backend_retry_s``; with ``Scheduler(max_backend_tries=N)`` (``build_engine`` gives
     3) the N-th consecutive failure fails that batch's requests (finish reason ``"error"``)
     and the engine goes on. Anything else ``tick()`` raises (a scheduler bug) ends the thread:
-    every waiting request gets an ``"error"`` event, ``error`` holds the exception and
+    every waiting request gets an ``"error"`` event (``EngineFailed``), so does every submit
+    still queued (``alive`` is False from the first moment), ``error`` holds the exception and
     ``/health`` answers 503.
     """
 
@@ -243,10 +267,10 @@ class Engine:
         self.tokens_out = 0
         self.cpu_s = 0.0  # CPU seconds of the engine thread (time.thread_time), all its work
         self.error: BaseException | None = None  # what ended the thread, if anything did
+        self._dead = False  # set first when the thread ends (failed or stopped): alive is False at once
         self.backend_errors = 0  # ticks the backend failed (each rolled back, then retried)
         self.last_backend_error: str | None = None
         self.backend_retry_s = 0.01  # pause before retrying a failed tick
-        self._ids = itertools.count()
         scheduler.on_tokens = self._pairs.extend
 
     # ------------------------------------------------------------ the asyncio side
@@ -261,17 +285,21 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        """True while the engine thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        """True while the engine thread runs and takes requests (False from the moment it
+        started to fail or stop)."""
+        return not self._dead and self._thread is not None and self._thread.is_alive()
 
     def submit(self, request: ServedRequest, stream: bool = True) -> TokenSink:
         """Queue ``request`` for the engine thread; returns its sink (call on the event loop).
 
         The scheduler's refusal, if any, arrives as the sink's first event (``error`` set,
-        finish reason ``"error"``).
+        finish reason ``"error"``). If the engine thread ended (or is ending), the sink gets an
+        ``EngineFailed`` error event instead: every submit is answered.
         """
         sink = TokenSink(request, stream)
         self._cmds.put(_Submit(request, sink))
+        if self._dead:  # queued after the thread drained its queue (or while it does: the sink takes one end)
+            self._deliver([(sink, TokenEvent(None, "error", time.perf_counter(), self._down_error()))], 0.0)
         return sink
 
     def abort(self, sink: TokenSink) -> None:
@@ -282,15 +310,23 @@ class Engine:
         """
         self._cmds.put(_Abort(sink.request, sink))
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """End the engine thread (live requests are aborted first) and wait for it."""
+    def begin_stop(self) -> None:
+        """Ask the engine thread to end, without waiting: from now ``alive`` is False (new
+        submits get 503); the thread aborts every live request (an ``"abort"`` event each) and
+        answers the submits still queued with 503."""
+        self._dead = True
         self._cmds.put(_STOP)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the engine thread (``begin_stop``) and wait for it."""
+        self.begin_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
 
     def next_id(self, prefix: str) -> str:
-        """A fresh request id ``<prefix>-<n>`` (unique within this engine)."""
-        return f"{prefix}-{next(self._ids)}"
+        """A fresh request id ``<prefix>-<32 hex digits>`` (a random UUID: unique across
+        restarts too, and it tells nothing of the server's load)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     # ------------------------------------------------------------ the engine thread
 
@@ -327,9 +363,29 @@ class Engine:
             self._loop_forever()
         except BaseException as e:  # noqa: BLE001 - recorded for /health; the requests are failed below
             self.error = e
+            self._dead = True
             self._fail_all(e)
         finally:
+            self._dead = True
+            self._fail_queued()
             self._publish()
+
+    def _down_error(self) -> EngineFailed:
+        e = self.error
+        return EngineFailed("the engine is not running" if e is None else f"engine failed: {e!r}")
+
+    def _fail_queued(self) -> None:
+        """After the thread's end (``_dead`` set): answer every submit still queued with an
+        ``EngineFailed`` error event (a submit queued later is answered by ``submit`` itself)."""
+        events = []
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if type(cmd) is _Submit:
+                events.append((cmd.sink, TokenEvent(None, "error", time.perf_counter(), self._down_error())))
+        self._send(events)
 
     def _loop_forever(self) -> None:
         """Apply every queued command, tick while anything is active, block when idle; hand
@@ -356,6 +412,7 @@ class Engine:
             cpu0 = c
             if events:
                 loop.call_soon_threadsafe(self._deliver, events, iteration_s)
+        self._dead = True  # stopped: new requests are refused from here on
         self._abort_all()
 
     def _tick(self, events: list[tuple[TokenSink, TokenEvent]]) -> float:
@@ -421,8 +478,14 @@ class Engine:
                 pass
 
     def _deliver(self, events: list[tuple[TokenSink, TokenEvent]], iteration_s: float) -> None:
-        """On the event loop: route a tick's events to their sinks, then ``on_tick``."""
-        for sink, ev in events:
-            sink.push(ev)
+        """On the event loop: route a tick's events to their sinks, then ``on_tick``. An event
+        for a sink that already ended is dropped (a submit answered by ``submit`` and by the
+        engine's drain both)."""
+        delivered = []
+        for pair in events:
+            sink = pair[0]
+            if sink.final is None:
+                sink.push(pair[1])
+                delivered.append(pair)
         if self.on_tick is not None:
-            self.on_tick(events, iteration_s)
+            self.on_tick(delivered, iteration_s)

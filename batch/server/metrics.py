@@ -12,11 +12,11 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:e2e_request_latency_seconds`` | histogram | submit to last token (finished requests) |
 | ``batch:request_queue_time_seconds`` | histogram | submit to admission (the scheduler's record) |
 | ``batch:iteration_seconds`` | histogram | wall time of one engine tick with a batch (forward included) |
-| ``batch:user_time_to_first_token_seconds{user}`` | summary | per user: TTFT count and sum (the mean) |
+| ``batch:user_time_to_first_token_seconds{user}`` | summary | per user: TTFT count and sum (the mean); users past the label bound under ``user="other"`` (``ServerMetrics``) |
 | ``batch:prompt_tokens_total{user}`` | counter | prompt tokens of accepted requests, per user |
 | ``batch:generation_tokens_total{user}`` | counter | output tokens served, per user |
 | ``batch:request_success_total{finished_reason}`` | counter | requests ended: stop, length, error, abort |
-| ``batch:request_rejected_total{code}`` | counter | requests refused: 400, 429, 503 |
+| ``batch:request_rejected_total{code}`` | counter | requests answered with an error status, by status (400, 404, 413, 429, 500, 503); counted in the app's error handlers only |
 | ``batch:num_requests_running`` | gauge | resident requests |
 | ``batch:num_requests_waiting`` | gauge | queued or preempted requests |
 | ``batch:kv_cache_usage_perc`` | gauge | KV blocks used / cap (0..1, as vLLM's) |
@@ -30,7 +30,7 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, Counter, Histogram, Summary, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,11 +81,22 @@ class _SchedulerCollector:
 class ServerMetrics:
     """The metrics of one server; ``observe_tick`` runs on the event loop after each tick.
 
+    Per-user series are bounded: a user gets its own ``user`` label if it is among
+    ``known_users`` (the config's) or among the first ``max_user_labels`` other users seen;
+    every later user is counted under ``user="other"`` (random ``user`` values cannot grow
+    ``/metrics`` without bound).
+
     Args:
         engine: whose snapshot the gauges read.
+        known_users: users always labelled by name.
+        max_user_labels: how many other users get their own label (>= 0).
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, known_users: Iterable[str] = (), max_user_labels: int = 100) -> None:
+        if max_user_labels < 0:
+            raise ValueError(f"max_user_labels must be >= 0, got {max_user_labels}")
+        self._labels = {u: u for u in known_users}  # user -> its label (never grows past the bound)
+        self._unnamed_left = max_user_labels
         disable_created_metrics()  # no *_created series (process-wide in prometheus_client)
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("batch:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS,
@@ -113,6 +124,16 @@ class ServerMetrics:
         self.engine = engine
         self._queue_seen = 0
 
+    def user_label(self, user: str) -> str:
+        """The ``user`` label of ``user``: its name, or ``"other"`` once the labels are spent."""
+        label = self._labels.get(user)
+        if label is None:
+            if self._unnamed_left <= 0:
+                return "other"
+            self._unnamed_left -= 1
+            label = self._labels[user] = user
+        return label
+
     def observe_tick(self, events: list[tuple[TokenSink, TokenEvent]], iteration_s: float) -> None:
         """Record one tick's events: token latencies, per-user tokens, finished requests."""
         if iteration_s > 0:
@@ -127,7 +148,7 @@ class ServerMetrics:
                 if sink.first_token_s is None:
                     sink.first_token_s = t
                     ttft(t - sink.submitted_s)
-                    self.user_ttft.labels(u).observe(t - sink.submitted_s)
+                    self.user_ttft.labels(self.user_label(u)).observe(t - sink.submitted_s)
                 else:
                     itl(t - sink.last_token_s)  # type: ignore[operator]
                 sink.last_token_s = t
@@ -139,7 +160,7 @@ class ServerMetrics:
                     if n > 1:
                         self.tpot.observe((t - sink.first_token_s) / (n - 1))
         for u, n in per_user.items():
-            self.generation_tokens.labels(u).inc(n)
+            self.generation_tokens.labels(self.user_label(u)).inc(n)
         q = self.engine.scheduler.stats.queue_s  # the scheduler's per-request queue times, appended at finish
         if len(q) > self._queue_seen:
             for x in q[self._queue_seen:]:

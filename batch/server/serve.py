@@ -7,7 +7,8 @@
 
 The config file (JSON, or TOML when its name ends in ``.toml``) has two optional tables:
 ``weights`` (user -> int weight >= 1, passed to ``VTCPolicy``) and ``api_keys`` (API key ->
-user name, the fairness key of a request that names no ``user``)::
+user name: the fairness key of a request with that key; the body's ``user`` counts only
+without a key, or over it with ``--trust-user-field``)::
 
     [weights]
     alice = 2
@@ -170,6 +171,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=None, help="most resident requests (default 256)")
     p.add_argument("--max-waiting", type=int, default=2048,
                    help="most requests waiting for their first token; more get 429 (default 2048)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body; a larger one gets 413 (default 4 MiB)")
+    p.add_argument("--trust-user-field", action="store_true",
+                   help="the body's 'user' wins over the API key as the fairness key (default: the key wins)")
+    p.add_argument("--max-user-labels", type=int, default=100,
+                   help="users past the config's that get their own per-user metric label; later ones "
+                        "are counted as user=\"other\" (default 100)")
+    p.add_argument("--shutdown-timeout", type=_positive_float, default=10.0,
+                   help="at SIGINT/SIGTERM, seconds to wait for open responses after aborting the requests "
+                        "in flight (default 10)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None, help="with --model: torch device")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
@@ -179,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvicorn  # noqa: PLC0415 - the optional 'serve' extra
 
         from batch.server.app import ServerConfig, create_app  # noqa: PLC0415
+        from batch.server.graceful import GracefulServer  # noqa: PLC0415
     except ImportError as e:
         print(f"batch serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
         return 2
@@ -190,11 +202,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          kv_cap_blocks=a.kv_cap_blocks, max_running=a.max_running, device=a.device,
                                          dtype=a.dtype)
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
-                           api_keys=users.api_keys, seed_by_prompt=backend == "sim")
+                           api_keys=users.api_keys, seed_by_prompt=backend == "sim",
+                           max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field,
+                           known_users=tuple(users.weights), max_user_labels=a.max_user_labels)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
     print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}) on "
           f"http://{a.host}:{a.port}", file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+                            timeout_graceful_shutdown=a.shutdown_timeout)
+    try:
+        GracefulServer(config, engine).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it caught, after its clean shutdown
+        return 130
     return 0

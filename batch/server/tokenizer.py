@@ -7,7 +7,9 @@
 * ``ByteTokenizer``: the tiny seeded Llama's (vocabulary 256): UTF-8 bytes in and out.
 * ``HFTokenizer``: a Hugging Face tokenizer read from the model folder (``--model PATH``).
 
-Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str`` and
+Every tokenizer has ``encode(text, limit=None) -> list[int]`` (with ``limit``, the simulated
+tokenizers stop after ``limit + 1`` ids: enough to tell that a prompt is too long without
+tokenizing all of it), ``decode(ids) -> str`` and
 ``chat_prompt(messages) -> str``; an ``IncrementalDecoder`` turns a growing token list into
 text deltas for streaming.
 """
@@ -24,8 +26,9 @@ class Tokenizer(Protocol):
 
     name: str
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``."""
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of ``text``; with ``limit``, possibly only the first ``limit + 1`` of them
+        (a tokenizer may ignore ``limit`` and return them all)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -54,9 +57,11 @@ class WordTokenizer:
     def __init__(self, eos_token_id: int = 0) -> None:
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """One id per whitespace-separated word, ``1 + crc32(word) % 63``; ``[]`` for blank text."""
-        return [1 + zlib.crc32(w.encode()) % 63 for w in text.split()]
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """One id per whitespace-separated word, ``1 + crc32(word) % 63``; ``[]`` for blank text.
+        With ``limit``: the first ``limit + 1`` words at most (the rest is not split)."""
+        words = text.split() if limit is None else text.split(None, limit + 1)[:limit + 1]
+        return [1 + zlib.crc32(w.encode()) % 63 for w in words]
 
     def decode(self, ids: Sequence[int]) -> str:
         """``" tok<id>"`` per id, EOS left out."""
@@ -77,9 +82,11 @@ class ByteTokenizer:
     def __init__(self, eos_token_id: int | None = None) -> None:
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text``."""
-        return list(text.encode())
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """The UTF-8 bytes of ``text``; with ``limit``, the first ``limit + 1`` of them at most."""
+        if limit is None:
+            return list(text.encode())
+        return list(text[:limit + 1].encode()[:limit + 1])  # a character is at least one byte
 
     def decode(self, ids: Sequence[int]) -> str:
         """The bytes as UTF-8, undecodable ones as U+FFFD, EOS left out."""
@@ -102,10 +109,12 @@ class HFTokenizer:
         from transformers import AutoTokenizer  # noqa: PLC0415 - the optional 'model' extra
 
         self.tok: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.encode_off_loop = True  # the server runs encode in a worker thread (it may be slow)
         self.name = f"hf:{path}"
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the tokenizer's special tokens (BOS) as it adds them."""
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of ``text``, with the tokenizer's special tokens (BOS) as it adds them
+        (all of them: ``limit`` is ignored)."""
         return list(self.tok.encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
