@@ -138,6 +138,19 @@ def test_router_counts_requests_not_yet_reported_and_breaks_ties_round_robin():
     assert r.pending("a") == 0
 
 
+def test_router_spreads_each_user_over_the_replicas():
+    # users arriving in a cycle over two equal replicas: load alone would put A and C on one
+    # replica and B and D on the other; counting the user's own requests spreads each user
+    r = Router(["a", "b"])
+    placed: dict[str, set] = {}
+    for _ in range(4):
+        for u in "ABCD":
+            placed.setdefault(u, set()).add(r.pick(u))
+    assert all(v == {"a", "b"} for v in placed.values())
+    r.done("a", "A")
+    assert r.score("a", "A")[0] == r.score("a")[0] + 1
+
+
 def test_router_exclude_remove_and_no_replica():
     r = Router(["a", "b"])
     assert r.pick(exclude=["a"]) == "b"
@@ -181,8 +194,9 @@ def test_the_last_replica_dying_is_an_error():
 
 
 def _flood(seed: int) -> list[Request]:
-    # A floods; B and C alternate in arrival order, so the router (alternating between two
-    # equal replicas) puts all of B's on one replica and all of C's on the other.
+    # A floods; B and C each send a backlog too. The runs pin B to r0 and C to r1 (an affinity
+    # constraint: ``_PIN``), the case where each replica alone would split evenly between A and its
+    # light user, handing A half of the cluster.
     rng = random.Random(seed)
     out = workload(seed, {"A": 300})
     out += [Request(user_id=u, prompt=[rng.randint(1, 63) for _ in range(rng.randint(5, 199))],
@@ -190,19 +204,24 @@ def _flood(seed: int) -> list[Request]:
     return out
 
 
+def _pin(r: Request) -> set[str]:
+    return {"B": {"r1"}, "C": {"r0"}}.get(r.user_id, set())
+
+
 def _shares(res) -> dict[str, dict[str, float]]:
     return {rid: {u: v / sum(d.values()) for u, v in d.items()} for rid, d in res.share_service.items()}
 
 
-def test_a_flooding_user_gets_no_more_than_its_share_on_either_replica():
-    res = LocalCluster(2, period_s=0.05).run(_flood(0))
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "routed"])
+def test_a_flooding_user_gets_no_more_than_its_share_on_either_replica(pin):
+    res = LocalCluster(2, period_s=0.05).run(_flood(0), exclude=_pin if pin else None)
     assert len(res.finished) == 420
     for rid, share in _shares(res).items():
         assert share["A"] <= 1 / 3 + 0.05, (rid, share)
 
 
 def test_without_shared_counters_each_replica_gives_the_flooder_half():
-    res = LocalCluster(2, period_s=None).run(_flood(0))
+    res = LocalCluster(2, period_s=None).run(_flood(0), exclude=_pin)
     assert all(share["A"] > 0.45 for share in _shares(res).values())
 
 

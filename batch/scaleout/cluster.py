@@ -126,10 +126,17 @@ class ClusterResult:
         retried: request id -> times it was resubmitted after its replica died.
         arrival_s: ``id(request) -> arrival time`` (seconds), unchanged by retries.
         first_arrival_s, last_completion_s: the run's span on the virtual clocks, seconds.
-        gap_tokens: the largest service gap between users both backlogged (``GapMeter``), weighted tokens.
+        gap_tokens: the largest service gap between two users over intervals in which both are
+            backlogged on every live replica (``GapMeter``), weighted tokens.
+        counter_gap_tokens: the largest difference of total service (all replicas) between two
+            users backlogged on every live replica at the same sample, weighted tokens: the global
+            counter gap when every user is backlogged from the start (counters start equal and no
+            lift happens). Being backlogged where the other is served is the derived bound's premise.
+        counter_gap_any_tokens: the same between users waiting on *some* replica: not bounded (a
+            user whose backlog is left on one replica cannot be served on the others).
         max_period_service_tokens: the most service any user was granted, across all replicas,
             within one sync period (between two samples at the sync instants), weighted tokens.
-        max_resident: user -> the most requests it held resident across all replicas at a sample.
+        max_resident: user -> the most requests it held resident across all replicas after any tick.
         routed: replica id -> requests the router sent there (retries included).
         replica_tokens: replica id -> output tokens of the requests that finished there.
         replica_service: replica id -> user -> weighted tokens granted there.
@@ -145,6 +152,8 @@ class ClusterResult:
     first_arrival_s: float
     last_completion_s: float
     gap_tokens: float
+    counter_gap_tokens: float
+    counter_gap_any_tokens: float
     max_period_service_tokens: float
     max_resident: dict[str, int]
     routed: dict[str, int]
@@ -232,7 +241,7 @@ class LocalCluster:
         Raises:
             NoReplicaError: no live replica.
         """
-        rid = self.router.pick(exclude)
+        rid = self.router.pick(request.user_id, exclude)
         rep = self.replicas[rid]
         rep.clock.advance_to(now_s)  # an idle replica's clock catches up; a busy one is past it
         rep.received += 1
@@ -241,6 +250,7 @@ class LocalCluster:
             rep.scheduler.submit(request)
         except RequestError as e:
             self.refused.append((request, e))
+            self.router.done(rid, request.user_id)
         else:
             rep.in_flight[id(request)] = request
             self._where[id(request)] = rid
@@ -325,6 +335,9 @@ class LocalCluster:
         share = {rid: {u: 0.0 for u in users} for rid in self.replicas}
         prev_rep_service = {rid: {u: 0.0 for u in users} for rid in self.replicas}
         last_completion = first
+        counter_gap = [0.0, 0.0]  # users backlogged on every live replica; on any
+        resident_by: dict[str, dict[str, int]] = {rid: {} for rid in self.replicas}  # after its last tick
+        resident: dict[str, int] = {}  # user -> resident requests on all replicas
         ticks = 0
         while True:
             active = [r for r in self.replicas.values() if r.alive and r.scheduler.has_active()]
@@ -336,14 +349,14 @@ class LocalCluster:
             t = min(t_tick, t_arr, t_kill)
             if next_sample <= t:  # meters first: they see the state at the sample instant
                 svc = self.service_tokens()
-                backlogged = set().union(*(r.backlogged_users() for r in self.live())) if self.live() else set()
-                meter.sample(svc, backlogged)
-                resident: dict[str, int] = {}
-                for r in self.live():
-                    for s in r.scheduler.running:
-                        resident[s.user_id] = resident.get(s.user_id, 0) + 1
-                for u, n in resident.items():
-                    max_resident[u] = max(max_resident.get(u, 0), n)
+                per_replica = [r.backlogged_users() for r in self.live()]
+                backlogged = set().union(*per_replica) if per_replica else set()
+                everywhere = set.intersection(*per_replica) if per_replica else set()
+                meter.sample(svc, everywhere)
+                for group, attr in ((everywhere, 0), (backlogged, 1)):
+                    if len(group) >= 2:
+                        vals = [svc.get(u, 0.0) for u in group]
+                        counter_gap[attr] = max(counter_gap[attr], max(vals) - min(vals))
                 all_backlogged = bool(users) and all(u in backlogged for u in users)
                 for rid, rep in self.replicas.items():
                     cur = {u: rep.granted_tokens(u) for u in users}
@@ -362,7 +375,11 @@ class LocalCluster:
                 next_sync += period
                 continue
             if t == t_kill:
-                self.kill(kills[ki][1], t)
+                rid = kills[ki][1]
+                for u, n in resident_by[rid].items():
+                    resident[u] -= n
+                resident_by[rid] = {}
+                self.kill(rid, t)
                 ki += 1
             elif t == t_arr:
                 self.submit(arrivals[ai], t, exclude=exclude(arrivals[ai]) if exclude else ())
@@ -378,15 +395,26 @@ class LocalCluster:
                 for req in done:
                     rep.in_flight.pop(id(req), None)
                     self._where.pop(id(req), None)
+                    self.router.done(rep.replica_id, req.user_id)
                     rep.finished_tokens += len(req.generated)
                     self.finished.append(req)
                     last_completion = max(last_completion, req.completed_at)
                 self.router.report(rep.replica_id, rep.load())
+                now_res: dict[str, int] = {}
+                for q in rep.scheduler.running:
+                    now_res[q.user_id] = now_res.get(q.user_id, 0) + 1
+                old = resident_by[rep.replica_id]
+                for u in old.keys() | now_res.keys():
+                    n = resident[u] = resident.get(u, 0) + now_res.get(u, 0) - old.get(u, 0)
+                    if n > max_resident.get(u, 0):
+                        max_resident[u] = n
+                resident_by[rep.replica_id] = now_res
                 if on_tick is not None:
                     on_tick(rep, done)
         return ClusterResult(
             finished=self.finished, refused=self.refused, retried=dict(self.retried), arrival_s=self.arrival_s,
-            first_arrival_s=first, last_completion_s=last_completion, gap_tokens=meter.gap,
+            first_arrival_s=first, last_completion_s=last_completion, gap_tokens=meter.gap, counter_gap_tokens=counter_gap[0],
+            counter_gap_any_tokens=counter_gap[1],
             max_period_service_tokens=max_period, max_resident=max_resident, routed=dict(self.router.picks),
             replica_tokens={rid: r.finished_tokens for rid, r in self.replicas.items()},
             replica_service={rid: {u: r.granted_tokens(u) for u in users} for rid, r in self.replicas.items()},

@@ -5,9 +5,16 @@ blocks, and how many requests it has received in all). The router counts the req
 sent to each replica, so requests sent after the replica's last report (not yet in its waiting
 count) still count as load: ``pending = sent - received``.
 
-The rule (``Router.pick``): the smallest ``waiting + pending``; among equals, the most free KV
-blocks; among equals, the replica picked least recently (so a burst that arrives before any
-report is spread round robin, not piled on the first replica).
+The rule (``Router.pick``): the smallest ``waiting + pending + mine``, where ``mine`` is the
+requests of the same user the router sent there that have not finished (``done``); among equals,
+the most free KV blocks; among equals, the replica picked least recently (so a burst that arrives
+before any report is spread round robin, not piled on the first replica).
+
+Why ``mine``: with load alone, users whose requests arrive in a cycle (A, B, C, D, A, ...) over
+replicas that are equally loaded get routed in the same cycle, so with two replicas A and C land
+only on one and B and D only on the other, and no scheduler can then balance A against B. Counting
+the user's own requests spreads each user over the replicas (``docs/scale-out.md``); it adds at most
+the user's own in-flight count to a replica's load.
 
 Standard library only.
 """
@@ -56,6 +63,7 @@ class Router:
         self._sent: dict[Hashable, int] = {}
         self._last_pick: dict[Hashable, int] = {}
         self._clock = itertools.count(1)
+        self._mine: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent, not done
         self.picks: dict[Hashable, int] = {}  # replica -> requests sent to it (all time)
         for r in replicas:
             self.add(r)
@@ -70,12 +78,20 @@ class Router:
         self._load[replica] = load or ReplicaLoad()
         self._sent[replica] = (load.received if load else 0)
         self._last_pick.setdefault(replica, 0)
+        self._mine[replica] = {}
         self.picks.setdefault(replica, 0)
 
     def remove(self, replica: Hashable) -> None:
         """Stop routing to ``replica`` (it died or was drained); unknown ids are ignored."""
         self._load.pop(replica, None)
         self._sent.pop(replica, None)
+        self._mine.pop(replica, None)
+
+    def done(self, replica: Hashable, user: str) -> None:
+        """A request of ``user`` sent to ``replica`` finished (or was aborted or refused)."""
+        mine = self._mine.get(replica)
+        if mine is not None and mine.get(user, 0) > 0:
+            mine[user] -= 1
 
     def report(self, replica: Hashable, load: ReplicaLoad) -> None:
         """Take ``replica``'s latest load report (ignored for a replica not routed to)."""
@@ -86,16 +102,20 @@ class Router:
         """Requests sent to ``replica`` that its last report did not count yet (>= 0)."""
         return max(0, self._sent[replica] - self._load[replica].received)
 
-    def score(self, replica: Hashable) -> tuple[int, int, int]:
-        """The sort key ``pick`` minimises: (waiting + pending, -free KV blocks, last pick)."""
+    def score(self, replica: Hashable, user: str | None = None) -> tuple[int, int, int]:
+        """The sort key ``pick`` minimises: (waiting + pending + the user's unfinished requests
+        there, -free KV blocks, last pick)."""
         load = self._load[replica]
-        return (load.waiting + self.pending(replica), -load.free_kv_blocks, self._last_pick[replica])
+        mine = self._mine[replica].get(user, 0) if user is not None else 0
+        return (load.waiting + self.pending(replica) + mine, -load.free_kv_blocks, self._last_pick[replica])
 
-    def pick(self, exclude: Iterable[Hashable] = ()) -> Hashable:
-        """The replica for the next request; counts it as sent there.
+    def pick(self, user: str | None = None, exclude: Iterable[Hashable] = ()) -> Hashable:
+        """The replica for the next request of ``user``; counts it as sent there.
 
         Args:
-            exclude: replicas not to pick (e.g. the one a retried request came from).
+            user: the request's user (``None``: load alone). Call ``done(replica, user)`` when
+                the request ends.
+            exclude: replicas not to pick (e.g. an affinity constraint).
 
         Raises:
             NoReplicaError: no live replica outside ``exclude``.
@@ -106,12 +126,20 @@ class Router:
         for r in self._load:
             if r in ex:
                 continue
-            k = self.score(r)
+            k = self.score(r, user)
             if best_key is None or k < best_key:
                 best, best_key = r, k
         if best is None:
             raise NoReplicaError("no live replica to route to")
-        self._sent[best] += 1
-        self._last_pick[best] = next(self._clock)
-        self.picks[best] += 1
+        self.note_sent(best, user)
         return best
+
+    def note_sent(self, replica: Hashable, user: str | None = None) -> None:
+        """Count a request of ``user`` as sent to ``replica`` (``pick`` does it; a router that
+        learns where a request went after the fact, as Ray Serve's does, calls it instead)."""
+        self._sent[replica] += 1
+        self._last_pick[replica] = next(self._clock)
+        self.picks[replica] += 1
+        if user is not None:
+            mine = self._mine[replica]
+            mine[user] = mine.get(user, 0) + 1
