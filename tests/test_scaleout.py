@@ -251,3 +251,23 @@ def test_two_replicas_finish_a_saturating_backlog_in_about_half_the_time():
     two = LocalCluster(2, period_s=0.05).run(workload(2, {"A": 100, "B": 100}))
     assert two.throughput_tokens_per_s >= 1.8 * one.throughput_tokens_per_s
     assert two.balance() < 1.2
+
+
+def test_engine_call_runs_on_the_engine_thread_and_hands_back_result_or_error():
+    import asyncio
+    import threading
+
+    from batch.server.engine import Engine, SeededGPU
+
+    async def main():
+        engine = Engine(Scheduler(backend=SeededGPU(time_scale=0.01)))
+        engine.start(asyncio.get_running_loop())
+        try:
+            name = await engine.call(lambda: threading.current_thread().name)
+            with pytest.raises(ZeroDivisionError):
+                await engine.call(lambda: 1 / 0)
+            return name
+        finally:
+            engine.stop()
+
+    assert asyncio.new_event_loop().run_until_complete(main()) == "batch-engine"

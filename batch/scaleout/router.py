@@ -41,12 +41,18 @@ class ReplicaLoad:
         free_kv_blocks: KV blocks not held.
         received: requests this replica has accepted or refused since it started (a running
             total; the router subtracts it from what it sent to get those still in transit).
+        by_user: user -> its unfinished requests there, for a router that cannot see requests
+            end (Ray Serve's); ``None`` when the router counts them itself (``Router.done``).
+        received_by_user: user -> its requests received there (a running total), with
+            ``by_user``: the router adds the user's requests sent since (in transit).
     """
 
     waiting: int = 0
     running: int = 0
     free_kv_blocks: int = 0
     received: int = 0
+    by_user: dict[str, int] | None = None
+    received_by_user: dict[str, int] | None = None
 
 
 class Router:
@@ -64,6 +70,7 @@ class Router:
         self._last_pick: dict[Hashable, int] = {}
         self._clock = itertools.count(1)
         self._mine: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent, not done
+        self._sent_user: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent (all time)
         self.picks: dict[Hashable, int] = {}  # replica -> requests sent to it (all time)
         for r in replicas:
             self.add(r)
@@ -79,6 +86,7 @@ class Router:
         self._sent[replica] = (load.received if load else 0)
         self._last_pick.setdefault(replica, 0)
         self._mine[replica] = {}
+        self._sent_user[replica] = dict(load.received_by_user or {}) if load else {}
         self.picks.setdefault(replica, 0)
 
     def remove(self, replica: Hashable) -> None:
@@ -86,6 +94,7 @@ class Router:
         self._load.pop(replica, None)
         self._sent.pop(replica, None)
         self._mine.pop(replica, None)
+        self._sent_user.pop(replica, None)
 
     def done(self, replica: Hashable, user: str) -> None:
         """A request of ``user`` sent to ``replica`` finished (or was aborted or refused)."""
@@ -106,7 +115,13 @@ class Router:
         """The sort key ``pick`` minimises: (waiting + pending + the user's unfinished requests
         there, -free KV blocks, last pick)."""
         load = self._load[replica]
-        mine = self._mine[replica].get(user, 0) if user is not None else 0
+        mine = 0
+        if user is not None:
+            if load.by_user is None:  # the router's own count (``done``)
+                mine = self._mine[replica].get(user, 0)
+            else:  # the replica's, plus what was sent since its report
+                transit = self._sent_user[replica].get(user, 0) - (load.received_by_user or {}).get(user, 0)
+                mine = load.by_user.get(user, 0) + max(0, transit)
         return (load.waiting + self.pending(replica) + mine, -load.free_kv_blocks, self._last_pick[replica])
 
     def pick(self, user: str | None = None, exclude: Iterable[Hashable] = ()) -> Hashable:
@@ -143,3 +158,5 @@ class Router:
         if user is not None:
             mine = self._mine[replica]
             mine[user] = mine.get(user, 0) + 1
+            sent = self._sent_user[replica]
+            sent[user] = sent.get(user, 0) + 1
