@@ -117,25 +117,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--flood", type=int, default=0,
                     help="flood case: the flooder's requests per replica (0: skip); 40 requests of each other user")
     ap.add_argument("--light", type=int, default=150, help="flood case: requests of each light user")
+    ap.add_argument("--flood-periods", default=None,
+                    help="flood case: comma-separated sync periods, 'none' for no sharing (default: --period,none)")
+    ap.add_argument("--flood-only", action="store_true", help="run only the flood case")
     ap.add_argument("--no-share", action="store_true", help="also run the overload without shared counters")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.replicas.split(",")]
     out: dict[str, list] = {"overload": [], "stream": [], "flood": []}
+    periods = [None if x == "none" else float(x) for x in (a.flood_periods or f"{a.period},none").split(",")]
     for r in counts:
-        out["overload"].append(run_overload(r, a.period, a.overload, a.seed))
-        if a.no_share:
-            out["overload"].append(run_overload(r, None, a.overload, a.seed))
-        out["stream"].append(run_stream(r, a.period, a.stream, a.seed))
+        if not a.flood_only:
+            out["overload"].append(run_overload(r, a.period, a.overload, a.seed))
+            if a.no_share:
+                out["overload"].append(run_overload(r, None, a.overload, a.seed))
+            out["stream"].append(run_stream(r, a.period, a.stream, a.seed))
         if a.flood:
-            for period in (a.period, None):
+            for period in periods:
                 out["flood"].append(run_flood(r, period, a.seed, a.flood, a.light))
         if not a.json:
             print(f"... {r} replicas done", file=sys.stderr)
     if a.json:
         print(json.dumps(out))
         return 0
+    if not a.flood_only:
+        print_main(a, out)
+    if out["flood"]:
+        print(f"\nFlood: A sends {a.flood} requests per replica, light user Lk {a.light} requests pinned to replica k, "
+              f"all at t=0; A's share of each replica's service while all are backlogged (fair: 1/(R+1) of each)")
+        print(f"{'replicas':>8} {'period':>7} {'A share max':>11} {'A share min':>11} {'fair':>6}")
+        for f in out["flood"]:
+            per = "none" if f["period_s"] is None else f"{f['period_s']:g}"
+            print(f"{f['replicas']:>8} {per:>7} {f['flooder_share_max']:>11.3f} {f['flooder_share_min']:>11.3f} "
+                  f"{f['fair_share']:>6.3f}")
+    return 0
+
+
+def print_main(a: argparse.Namespace, out: dict) -> None:
+    """The overload and stream tables."""
     print(f"Overload (4 users x {a.overload} requests per replica at t=0), weighted tokens; sync period "
           f"{a.period} s")
     print(f"{'replicas':>8} {'period':>7} {'counter gap':>11} {'bound':>9} {'gap/bound':>9} {'D (1 period)':>12} "
@@ -153,15 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         x = s["throughput"] / one if one else float("nan")
         print(f"{s['replicas']:>8} {s['throughput']:>10,.0f} {x:>6.2f} {x / s['replicas']:>5.2f} "
               f"{s['balance_tokens']:>11.3f} {s['balance_routed']:>14.3f} {s['lost']:>4} {s['wall_s']:>6.1f}")
-    if out["flood"]:
-        print(f"\nFlood: A sends {a.flood} requests per replica, light user Lk {a.light} requests pinned to replica k, all at "
-              f"t=0; A's share of each replica's service while all are backlogged (fair: 1/(R+1) of each)")
-        print(f"{'replicas':>8} {'period':>7} {'A share max':>11} {'A share min':>11} {'fair':>6} {'interval gap':>12}")
-        for f in out["flood"]:
-            per = "none" if f["period_s"] is None else f"{f['period_s']:g}"
-            print(f"{f['replicas']:>8} {per:>7} {f['flooder_share_max']:>11.3f} {f['flooder_share_min']:>11.3f} "
-                  f"{f['fair_share']:>6.3f} {f['interval_gap']:>12,.0f}")
-    return 0
 
 
 if __name__ == "__main__":
