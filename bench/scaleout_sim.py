@@ -91,6 +91,8 @@ def run_flood(replicas: int, period: float | None, seed: int, n_flood: int, n_ea
         tot = sum(d.values())
         if tot > 0:
             shares.append(d["A"] / tot)
+    if not shares:
+        raise ValueError("no sample had every user backlogged: give the flood more requests (--flood, --light)")
     return {"replicas": replicas, "period_s": period, "flooder_share_max": max(shares),
             "flooder_share_min": min(shares), "fair_share": 1 / (replicas + 1),
             "interval_gap": res.gap_tokens}

@@ -271,3 +271,17 @@ def test_engine_call_runs_on_the_engine_thread_and_hands_back_result_or_error():
             engine.stop()
 
     assert asyncio.new_event_loop().run_until_complete(main()) == "batch-engine"
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_the_cross_replica_counter_gap_stays_within_the_derived_bound(replicas):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import scaleout_sim
+
+    row = scaleout_sim.run_overload(replicas, 0.05, 30, seed=1)
+    assert row["requests"] == 120 * replicas
+    assert 0 < row["counter_gap"] <= row["bound"]
+    assert row["bound"] == row["resident_part"] + row["period_service_D"]

@@ -55,9 +55,10 @@ class BatchRequestRouter(RequestRouter):
     """Serve's request router running ``batch.scaleout.router.Router`` on the replicas' stats.
 
     Each replica's ``record_routing_stats`` (``waiting``, ``running``, ``free_kv_blocks``,
-    ``received``) is its ``ReplicaLoad``; requests actually sent are counted in
-    ``on_request_routed`` (so a pick Serve did not use counts nothing), and their end lowers the
-    user's count on that replica.
+    ``received``, ``by_user``, ``received_by_user``; every 0.05 s) is its ``ReplicaLoad``. A pick
+    is counted as sent when it is made (``choose_replicas``). Each user's unfinished requests per
+    replica come from the replica's report plus the router's sends since: Serve does not tell a
+    request router when a request ends.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
