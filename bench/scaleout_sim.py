@@ -164,8 +164,12 @@ def print_main(a: argparse.Namespace, out: dict) -> None:
           f"{'U_p+U_q':>9} {'max N_u':>7} {'interval gap':>12} {'gap, any':>9} {'wall s':>6}")
     for o in out["overload"]:
         per = "none" if o["period_s"] is None else f"{o['period_s']:g}"
-        print(f"{o['replicas']:>8} {per:>7} {o['counter_gap']:>11,.0f} {o['bound']:>9,.0f} "
-              f"{o['counter_gap'] / o['bound']:>9.3f} {o['period_service_D']:>12,.0f} {o['resident_part']:>9,.0f} "
+        if o["period_s"] is None:  # no sharing: the bound's derivation does not apply (D unbounded)
+            bound, ratio, d = f"{'-':>9}", f"{'-':>9}", f"{'-':>12}"
+        else:
+            bound, ratio = f"{o['bound']:>9,.0f}", f"{o['counter_gap'] / o['bound']:>9.3f}"
+            d = f"{o['period_service_D']:>12,.0f}"
+        print(f"{o['replicas']:>8} {per:>7} {o['counter_gap']:>11,.0f} {bound} {ratio} {d} {o['resident_part']:>9,.0f} "
               f"{o['max_resident']:>7} {o['interval_gap']:>12,.0f} {o['counter_gap_any']:>9,.0f} {o['wall_s']:>6.1f}")
     one = next((s["throughput"] for s in out["stream"] if s["replicas"] == 1), None)
     print(f"\nSaturating stream (request_gen.stream, 60 req/s per replica, {a.stream} requests per replica)")
