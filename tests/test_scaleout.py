@@ -285,3 +285,17 @@ def test_the_cross_replica_counter_gap_stays_within_the_derived_bound(replicas):
     assert row["requests"] == 120 * replicas
     assert 0 < row["counter_gap"] <= row["bound"]
     assert row["bound"] == row["resident_part"] + row["period_service_D"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--policy", "fcfs"], "simulated GPU with the VTC policy only"),
+    (["--replicas", "2", "--backend", "model"], "simulated GPU with the VTC policy only"),
+])
+def test_batch_serve_replicas_refuses_what_it_cannot_run(args, message, capsys):
+    from batch.server.serve import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
