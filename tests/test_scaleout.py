@@ -299,3 +299,20 @@ def test_batch_serve_replicas_refuses_what_it_cannot_run(args, message, capsys):
         main(args)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_gap_observer_measures_gap_resident_and_window_service():
+    from batch.scaleout.counters import GapObserver
+
+    now = [0.0]
+    store = GlobalCounters()
+    store.observer = GapObserver(staleness_s=0.1, clock=lambda: now[0])
+    store.sync("r0", {"A": 10 * SCALE, "B": 2 * SCALE}, {"waiting": ["A", "B"], "resident": {"A": 3}})
+    now[0] = 0.05
+    store.sync("r1", {"A": 5 * SCALE}, {"waiting": ["A", "B"], "resident": {"A": 2, "B": 1}})
+    now[0] = 0.5  # the window forgets what came before 0.4 s
+    store.sync("r0", {"B": 1 * SCALE}, {"waiting": ["A"], "resident": {}})
+    st = store.gap_stats()
+    assert st["max_gap_tokens"] == 13  # A 15 - B 2, both waiting on r0 and r1
+    assert st["max_resident"] == {"A": 5, "B": 1}
+    assert st["max_window_tokens"] == 15  # A's 10 + 5 within 0.1 s

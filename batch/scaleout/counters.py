@@ -17,12 +17,14 @@ Standard library only.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+import time
+from collections import deque
+from typing import Any, Callable, Mapping
 
 from batch.policies.vtc import VTCPolicy
 from spec import fairness_rules as fr
 
-__all__ = ["GlobalCounters", "GlobalVTCPolicy"]
+__all__ = ["GlobalCounters", "GlobalVTCPolicy", "GapObserver"]
 
 
 class GlobalCounters:
@@ -38,6 +40,7 @@ class GlobalCounters:
         self._total: dict[str, int] = {}
         self._lock = threading.Lock()
         self.syncs = 0
+        self.observer: GapObserver | None = None
 
     def publish(self, replica_id: str, deltas: Mapping[str, int]) -> None:
         """Add ``deltas`` (user -> counter units >= 0) to ``replica_id``'s published service.
@@ -61,11 +64,26 @@ class GlobalCounters:
             own = self._by_replica.get(replica_id, {})
             return {u: t - own.get(u, 0) for u, t in self._total.items()}
 
-    def sync(self, replica_id: str, deltas: Mapping[str, int]) -> dict[str, int]:
-        """``publish(replica_id, deltas)`` then ``others(replica_id)``: one round trip."""
+    def sync(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any] | None = None) -> dict[str, int]:
+        """``publish(replica_id, deltas)`` then ``others(replica_id)``: one round trip.
+
+        ``state`` (optional, for measurement): the replica's ``{"waiting": [users], "resident":
+        {user: requests}}`` at this sync, handed to ``observer`` (a ``GapObserver``) if one is set.
+        """
         self.publish(replica_id, deltas)
         self.syncs += 1
+        if self.observer is not None and state is not None:
+            with self._lock:
+                self.observer.observe(replica_id, deltas, state, self._total)
         return self.others(replica_id)
+
+    def observe_gap(self, staleness_s: float) -> None:
+        """Start measuring the counter gap and its bound's terms at each sync (``GapObserver``)."""
+        self.observer = GapObserver(staleness_s)
+
+    def gap_stats(self) -> dict[str, Any] | None:
+        """The ``GapObserver``'s figures (``None`` if not observing)."""
+        return None if self.observer is None else self.observer.stats()
 
     def totals(self) -> dict[str, int]:
         """user -> counter units published by all replicas."""
@@ -76,6 +94,65 @@ class GlobalCounters:
         """replica id -> user -> counter units it published (a copy)."""
         with self._lock:
             return {r: dict(m) for r, m in self._by_replica.items()}
+
+
+class GapObserver:
+    """Measures, at each sync the store receives, what ``docs/scale-out.md``'s bound is about.
+
+    From the replicas' published totals (each as of its own last sync) and their reported states:
+    the largest difference of total service between two users waiting on every replica that has
+    reported (``max_gap_tokens``, weighted tokens); the most requests one user held resident on all
+    replicas (``max_resident``, summing each replica's last report); and the most service one user
+    was published for within ``staleness_s`` seconds (``max_window_tokens``: the measured ``D``).
+    The totals lag by up to one period per replica, so the gap is measured to within ``D``.
+
+    Args:
+        staleness_s: the window for ``D``, seconds (``2 * period_s`` plus a round trip on Ray).
+        clock: seconds (default ``time.monotonic``).
+    """
+
+    def __init__(self, staleness_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.staleness_s = staleness_s
+        self.clock = clock
+        self.max_gap_tokens = 0.0
+        self.max_resident: dict[str, int] = {}
+        self.max_window_tokens = 0.0
+        self._waiting: dict[str, set[str]] = {}
+        self._resident: dict[str, dict[str, int]] = {}
+        self._log: deque[tuple[float, str, int]] = deque()
+        self._window: dict[str, int] = {}
+
+    def observe(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any],
+                totals: Mapping[str, int]) -> None:
+        """Take one replica's sync (its deltas, its state) against the store's totals."""
+        now = self.clock()
+        for user, d in deltas.items():
+            if d:
+                self._log.append((now, user, d))
+                self._window[user] = self._window.get(user, 0) + d
+        while self._log and self._log[0][0] < now - self.staleness_s:
+            _, user, d = self._log.popleft()
+            self._window[user] -= d
+        if self._window:
+            self.max_window_tokens = max(self.max_window_tokens, max(self._window.values()) / fr.COUNTER_SCALE)
+        self._waiting[replica_id] = set(state.get("waiting", ()))
+        self._resident[replica_id] = dict(state.get("resident", {}))
+        every = set.intersection(*self._waiting.values()) if self._waiting else set()
+        if len(every) >= 2:
+            vals = [totals.get(u, 0) for u in every]
+            self.max_gap_tokens = max(self.max_gap_tokens, (max(vals) - min(vals)) / fr.COUNTER_SCALE)
+        summed: dict[str, int] = {}
+        for res in self._resident.values():
+            for u, n in res.items():
+                summed[u] = summed.get(u, 0) + n
+        for u, n in summed.items():
+            if n > self.max_resident.get(u, 0):
+                self.max_resident[u] = n
+
+    def stats(self) -> dict[str, Any]:
+        """``{"max_gap_tokens", "max_resident", "max_window_tokens", "staleness_s"}``."""
+        return {"max_gap_tokens": self.max_gap_tokens, "max_resident": dict(self.max_resident),
+                "max_window_tokens": self.max_window_tokens, "staleness_s": self.staleness_s}
 
 
 class GlobalVTCPolicy(VTCPolicy):
@@ -154,3 +231,8 @@ class GlobalVTCPolicy(VTCPolicy):
         ``store`` is a ``GlobalCounters`` or anything with its ``sync(replica_id, deltas)``.
         """
         self.set_offsets(store.sync(self.replica_id, self.take_deltas()))
+
+    def waiting_users(self) -> list[str]:
+        """Users with a request waiting in this policy's queue."""
+        q = self._q
+        return [u for u in q.users if q.backlogged(u)]

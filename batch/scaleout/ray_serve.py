@@ -147,16 +147,23 @@ class EngineReplica:
         offsets on the engine thread. Deltas a failed call did not deliver are sent next time."""
         while self.counters is not None:
             await asyncio.sleep(self.period_s)
-            deltas = await self.engine.call(self.policy.take_deltas)
+            deltas, state = await self.engine.call(self._take)
             for u, d in deltas.items():
                 self._unsent[u] = self._unsent.get(u, 0) + d
             try:
-                others = await self.counters.sync.remote(self.replica_id, self._unsent)
+                others = await self.counters.sync.remote(self.replica_id, self._unsent, state)
             except Exception:  # noqa: BLE001 - the actor restarting: keep the deltas, try again
                 continue
             self._unsent = {}
             self.syncs += 1
             await self.engine.call(lambda o=others: self.policy.set_offsets(o))
+
+    def _take(self) -> tuple[dict[str, int], dict]:
+        """On the engine thread: the deltas, and the state the store may measure the gap from."""
+        resident: dict[str, int] = {}
+        for q in self.engine.scheduler.running:
+            resident[q.user_id] = resident.get(q.user_id, 0) + 1
+        return self.policy.take_deltas(), {"waiting": self.policy.waiting_users(), "resident": resident}
 
     async def generate(self, body: dict) -> dict:
         """Run one request to completion.
@@ -293,8 +300,11 @@ class Ingress:
 
 def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: float = 0.05,
            weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None, share: bool = True,
-           name: str = "batch") -> tuple[Any, Any]:
+           name: str = "batch", observe_gap: bool = False) -> tuple[Any, Any]:
     """Start the counters actor and ``replicas`` engine replicas on the running Ray instance.
+
+    ``observe_gap``: the actor measures the counter gap and the bound's terms at every sync
+    (``GapObserver``, staleness ``2 * period_s + 0.05`` s; read with ``counters.gap_stats``).
 
     Returns:
         ``(deployment handle, counters actor or None)``.
@@ -305,6 +315,8 @@ def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: f
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas!r}")
     counters = CountersActor.remote() if share else None
+    if counters is not None and observe_gap:
+        ray.get(counters.observe_gap.remote(2 * period_s + 0.05))
     app = EngineReplica.options(num_replicas=replicas).bind(counters, time_scale=time_scale, seed=seed,
                                                              period_s=period_s, weights=weights,
                                                              kv_cap_blocks=kv_cap_blocks)
