@@ -135,7 +135,9 @@ class ClusterResult:
         counter_gap_any_tokens: the same between users waiting on *some* replica: not bounded (a
             user whose backlog is left on one replica cannot be served on the others).
         max_period_service_tokens: the most service any user was granted, across all replicas,
-            within one sync period (between two samples at the sync instants), weighted tokens.
+            within one sync period (between two sync instants), weighted tokens: the measured
+            ``D`` of docs/scale-out.md. With ``period_s = 0`` (staleness: one iteration) it is taken
+            between two samples instead, an upper bound; 0 when never synced.
         max_resident: user -> the most requests it held resident across all replicas after any tick.
         routed: replica id -> requests the router sent there (retries included).
         replica_tokens: replica id -> output tokens of the requests that finished there.
@@ -349,6 +351,9 @@ class LocalCluster:
             t = min(t_tick, t_arr, t_kill)
             if next_sample <= t:  # meters first: they see the state at the sample instant
                 svc = self.service_tokens()
+                if period == 0:  # D over a sample interval (longer than the staleness: an upper bound)
+                    max_period = max([max_period] + [svc[u] - prev_service.get(u, 0.0) for u in svc])
+                    prev_service = svc
                 per_replica = [r.backlogged_users() for r in self.live()]
                 backlogged = set().union(*per_replica) if per_replica else set()
                 everywhere = set.intersection(*per_replica) if per_replica else set()
