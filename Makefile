@@ -8,8 +8,9 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
+SCALEOUT_STAMP := $(VENV)/.installed-scaleout
 
-.PHONY: run serve test test-fast verify mutants bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
+.PHONY: run serve test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +26,11 @@ $(SERVE_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 $(TEST_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[sim,dev,model,serve]'
 	touch $@ $(RUN_STAMP) $(SERVE_STAMP)  # a superset of both: `make run` / `make serve` need not reinstall
+
+# ray[serve] (~400 MB, ~1 minute): only for the Ray Serve replicas (docs/scale-out.md).
+$(SCALEOUT_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[sim,dev,serve,scaleout]'
+	touch $@
 
 $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[bench]'
@@ -43,6 +49,10 @@ test: $(TEST_STAMP)
 # The suite without the tests marked slow (proofs, long stateful runs, subprocesses; pyproject.toml).
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+# The scale-out tests with Ray installed (tests/test_scaleout*.py; the Ray ones skip without it).
+test-scaleout: $(SCALEOUT_STAMP)
+	$(BIN)/python -m pytest tests/test_scaleout.py tests/test_scaleout_ray.py
 
 verify: $(TEST_STAMP)
 	$(BIN)/python -m spec.verify

@@ -221,8 +221,12 @@ class VTCPolicy:
             self._user_no[user] = len(self._user_no)
         self._ver[user] = self._ver.get(user, 0) + 1  # invalidates the user's old entries
         m = self._min_backlogged_counter()
-        self._counter[user] = fr.lifted_counter(self.counter(user), 0 if m is None else m, m is not None,
-                                                self._tolerance)
+        own = self.counter(user)
+        lifted = fr.lifted_counter(own, 0 if m is None else m, m is not None, self._tolerance)
+        # the lift is added to the stored counter, so that a subclass whose ``counter`` adds
+        # service seen elsewhere (``batch.scaleout.counters.GlobalVTCPolicy``) lifts the sum;
+        # here ``own`` is the stored counter, so this stores ``lifted``
+        self._counter[user] = self._counter.get(user, 0) + (lifted - own)
         self._push(user)
 
     def _key(self, user: str) -> list[Any]:

@@ -203,7 +203,21 @@ class _Abort:
     sink: TokenSink
 
 
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+
+
 _STOP = object()
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not fut.done():
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
 
 
 class EngineFailed(RuntimeError):
@@ -323,6 +337,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run ``fn()`` on the engine thread between two ticks; a future (of the engine's loop)
+        for its result or exception. Call on the event loop after ``start``. For state the engine
+        thread owns, e.g. the scale-out policy's counters (``batch.scaleout.ray_serve``)."""
+        assert self._loop is not None, "engine not started"
+        fut = self._loop.create_future()
+        self._cmds.put(_Call(fn, fut))
+        return fut
+
     def next_id(self, prefix: str) -> str:
         """A fresh request id ``<prefix>-<32 hex digits>`` (a random UUID: unique across
         restarts too, and it tells nothing of the server's load)."""
@@ -344,6 +367,12 @@ class Engine:
                 return True
             self.counters.submitted += 1
             self._sinks[id(cmd.request)] = cmd.sink
+        elif type(cmd) is _Call:
+            try:
+                result, error = cmd.fn(), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller's future
+                result, error = None, e
+            self._loop.call_soon_threadsafe(_settle, cmd.future, result, error)
         else:  # _Abort
             if self._sinks.pop(id(cmd.request), None) is not None and sched.abort(cmd.request) is not None:
                 self.counters.aborted += 1

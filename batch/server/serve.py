@@ -4,6 +4,7 @@
     batch serve --time-scale 0.05                        # twenty times faster (tests, benchmarks)
     batch serve --model PATH                             # a Hugging Face checkpoint folder
     batch serve --config users.toml                      # per-user weights, API key -> user
+    batch serve --replicas 2                             # two engines on Ray Serve (the scaleout extra)
 
 The config file (JSON, or TOML when its name ends in ``.toml``) has two optional tables:
 ``weights`` (user -> int weight >= 1, passed to ``VTCPolicy``) and ``api_keys`` (API key ->
@@ -147,6 +148,27 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "finite number > 0"
 
 
+def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """``--replicas N`` with N > 1: Ray Serve (``batch.scaleout.ray_serve.serve_http``)."""
+    if a.model or a.backend == "model" or a.policy != "vtc":
+        p.error("--replicas N > 1 serves the simulated GPU with the VTC policy only")
+    try:
+        from batch.scaleout.ray_serve import serve_http  # noqa: PLC0415 - the optional 'scaleout' extra
+    except ImportError as e:
+        print(f"batch serve --replicas needs the 'scaleout' extra (pip install -e '.[scaleout]'): {e}",
+              file=sys.stderr)
+        return 2
+    try:
+        users = load_config(a.config)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        p.error(str(e))
+    print(f"batch serve: {a.replicas} replicas on Ray Serve (sim, time scale {a.time_scale}, counters synced every "
+          f"{a.counter_period} s) on http://{a.host}:{a.port}/v1/completions", file=sys.stderr)
+    serve_http(a.replicas, host=a.host, port=a.port, time_scale=a.time_scale, seed=a.seed,
+               period_s=a.counter_period, weights=users.weights, kv_cap_blocks=a.kv_cap_blocks)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``batch serve``: parse arguments, build, run uvicorn until interrupted; the exit status.
 
@@ -185,7 +207,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="with --model: torch device")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas (default 1: this process, no Ray); N > 1 runs N replicas on Ray Serve with "
+                        "shared per-user counters, the simulated GPU only, non-streaming /v1/completions "
+                        "(the scaleout extra; docs/scale-out.md)")
+    p.add_argument("--counter-period", type=_positive_float, default=0.05,
+                   help="with --replicas N: seconds between counter syncs (default 0.05)")
     a = p.parse_args(argv)
+    if a.replicas < 1:
+        p.error(f"--replicas must be >= 1, got {a.replicas}")
+    if a.replicas > 1:
+        return _serve_replicas(p, a)
     try:
         import uvicorn  # noqa: PLC0415 - the optional 'serve' extra
 

@@ -1,0 +1,238 @@
+"""Per-user service counters shared by the replicas of a scale-out deployment.
+
+Each replica runs its own ``Scheduler`` with a ``GlobalVTCPolicy``: VTC whose counter for a user
+is the replica's own counter (its local service and lifts) plus the service the *other* replicas
+granted that user, as last read from a ``GlobalCounters`` store. Every ``period_s`` a replica
+calls ``GlobalVTCPolicy.sync(store)``: it publishes the service it granted since its last sync
+(deltas, counter units) and reads back the others' totals in the same call (one round trip; the
+Ray deployment holds the store in one actor, ``batch.scaleout.ray_serve``).
+
+Staleness: a replica's view of another's service lags by at most ``S`` seconds, where ``S = P``
+when all replicas sync at the same instants (the virtual-clock simulation) and ``S = 2P`` plus
+one round trip when they sync on their own timers (one period before the other publishes, one
+before this one reads). ``docs/scale-out.md`` derives what ``S`` costs the counter-gap bound.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Mapping
+
+from batch.policies.vtc import VTCPolicy
+from spec import fairness_rules as fr
+
+__all__ = ["GlobalCounters", "GlobalVTCPolicy", "GapObserver"]
+
+
+class GlobalCounters:
+    """The shared store: each replica's published service per user, in counter units.
+
+    Counter units are ``spec.fairness_rules.COUNTER_SCALE`` per weighted token (a charge already
+    divided by the user's weight). Totals only grow: the service of a replica that died stays
+    counted. Thread-safe (one lock); as a Ray actor its methods run one at a time anyway.
+    """
+
+    def __init__(self) -> None:
+        self._by_replica: dict[str, dict[str, int]] = {}
+        self._total: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.syncs = 0
+        self.observer: GapObserver | None = None
+
+    def publish(self, replica_id: str, deltas: Mapping[str, int]) -> None:
+        """Add ``deltas`` (user -> counter units >= 0) to ``replica_id``'s published service.
+
+        Raises:
+            ValueError: a delta is not an int >= 0 (counters never go back).
+        """
+        for user, d in deltas.items():
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise ValueError(f"delta of user {user!r} must be an int >= 0 counter units, got {d!r}")
+        with self._lock:
+            own = self._by_replica.setdefault(replica_id, {})
+            for user, d in deltas.items():
+                if d:
+                    own[user] = own.get(user, 0) + d
+                    self._total[user] = self._total.get(user, 0) + d
+
+    def others(self, replica_id: str) -> dict[str, int]:
+        """user -> counter units published by every replica but ``replica_id`` (O(users))."""
+        with self._lock:
+            own = self._by_replica.get(replica_id, {})
+            return {u: t - own.get(u, 0) for u, t in self._total.items()}
+
+    def sync(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any] | None = None) -> dict[str, int]:
+        """``publish(replica_id, deltas)`` then ``others(replica_id)``: one round trip.
+
+        ``state`` (optional, for measurement): the replica's ``{"waiting": [users], "resident":
+        {user: requests}}`` at this sync, handed to ``observer`` (a ``GapObserver``) if one is set.
+        """
+        self.publish(replica_id, deltas)
+        self.syncs += 1
+        if self.observer is not None and state is not None:
+            with self._lock:
+                self.observer.observe(replica_id, deltas, state, self._total)
+        return self.others(replica_id)
+
+    def observe_gap(self, staleness_s: float) -> None:
+        """Start measuring the counter gap and its bound's terms at each sync (``GapObserver``)."""
+        self.observer = GapObserver(staleness_s)
+
+    def gap_stats(self) -> dict[str, Any] | None:
+        """The ``GapObserver``'s figures (``None`` if not observing)."""
+        return None if self.observer is None else self.observer.stats()
+
+    def totals(self) -> dict[str, int]:
+        """user -> counter units published by all replicas."""
+        with self._lock:
+            return dict(self._total)
+
+    def by_replica(self) -> dict[str, dict[str, int]]:
+        """replica id -> user -> counter units it published (a copy)."""
+        with self._lock:
+            return {r: dict(m) for r, m in self._by_replica.items()}
+
+
+class GapObserver:
+    """Measures, at each sync the store receives, what ``docs/scale-out.md``'s bound is about.
+
+    From the replicas' published totals (each as of its own last sync) and their reported states:
+    the largest difference of total service between two users waiting on every replica that has
+    reported (``max_gap_tokens``, weighted tokens); the most requests one user held resident on all
+    replicas (``max_resident``, summing each replica's last report); and the most service one user
+    was published for within ``staleness_s`` seconds (``max_window_tokens``: the measured ``D``).
+    The totals lag by up to one period per replica, so the gap is measured to within ``D``.
+
+    Args:
+        staleness_s: the window for ``D``, seconds (``2 * period_s`` plus a round trip on Ray).
+        clock: seconds (default ``time.monotonic``).
+    """
+
+    def __init__(self, staleness_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.staleness_s = staleness_s
+        self.clock = clock
+        self.max_gap_tokens = 0.0
+        self.max_resident: dict[str, int] = {}
+        self.max_window_tokens = 0.0
+        self._waiting: dict[str, set[str]] = {}
+        self._resident: dict[str, dict[str, int]] = {}
+        self._log: deque[tuple[float, str, int]] = deque()
+        self._window: dict[str, int] = {}
+
+    def observe(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any],
+                totals: Mapping[str, int]) -> None:
+        """Take one replica's sync (its deltas, its state) against the store's totals."""
+        now = self.clock()
+        for user, d in deltas.items():
+            if d:
+                self._log.append((now, user, d))
+                self._window[user] = self._window.get(user, 0) + d
+        while self._log and self._log[0][0] < now - self.staleness_s:
+            _, user, d = self._log.popleft()
+            self._window[user] -= d
+        if self._window:
+            self.max_window_tokens = max(self.max_window_tokens, max(self._window.values()) / fr.COUNTER_SCALE)
+        self._waiting[replica_id] = set(state.get("waiting", ()))
+        self._resident[replica_id] = dict(state.get("resident", {}))
+        every = set.intersection(*self._waiting.values()) if self._waiting else set()
+        if len(every) >= 2:
+            vals = [totals.get(u, 0) for u in every]
+            self.max_gap_tokens = max(self.max_gap_tokens, (max(vals) - min(vals)) / fr.COUNTER_SCALE)
+        summed: dict[str, int] = {}
+        for res in self._resident.values():
+            for u, n in res.items():
+                summed[u] = summed.get(u, 0) + n
+        for u, n in summed.items():
+            if n > self.max_resident.get(u, 0):
+                self.max_resident[u] = n
+
+    def stats(self) -> dict[str, Any]:
+        """``{"max_gap_tokens", "max_resident", "max_window_tokens", "staleness_s"}``."""
+        return {"max_gap_tokens": self.max_gap_tokens, "max_resident": dict(self.max_resident),
+                "max_window_tokens": self.max_window_tokens, "staleness_s": self.staleness_s}
+
+
+class GlobalVTCPolicy(VTCPolicy):
+    """``VTCPolicy`` whose counters add the other replicas' service as last synced.
+
+    ``counter(user)`` is the replica's own VTC counter plus ``offset(user)``, the service the
+    other replicas published for ``user`` (counter units) at the last ``sync``. Offsets only grow
+    (published service never goes back), so counters stay monotone and the policy's lazy heap
+    (stored keys never above the true ones) stays valid between syncs. The lift of a returning
+    user (``lifted_counter``) is taken on the sum and stored in the own part. With no sync ever
+    run it is exactly ``VTCPolicy``: one replica needs nothing shared.
+
+    Departs from single-replica VTC on purpose: between syncs the other replicas' service is
+    unseen, so a user can run ahead on the global counters by what it was granted elsewhere in
+    one staleness period (``docs/scale-out.md``, section 2).
+
+    Args:
+        replica_id: this replica's name in the store (non-empty str).
+        **kwargs: ``VTCPolicy``'s (weights, tolerance, prices, ...): every replica must be built
+            with the same weights and prices, or the published units mean different things.
+
+    Raises:
+        ValueError: ``replica_id`` is not a non-empty str, or what ``VTCPolicy`` raises.
+    """
+
+    def __init__(self, *, replica_id: str = "r0", **kwargs: Any) -> None:
+        if not isinstance(replica_id, str) or not replica_id:
+            raise ValueError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        super().__init__(**kwargs)
+        self.replica_id = replica_id
+        self._offset: dict[str, int] = {}  # user -> others' service, counter units, as last synced
+        self._unpublished: dict[str, list[int]] = {}  # user -> [prompt, output] tokens since the last sync
+        self.service_units: dict[str, int] = {}  # user -> service this replica granted, counter units
+
+    def counter(self, user: str) -> int:
+        """The user's counter on the global view, counter units: own counter + ``offset(user)``."""
+        return super().counter(user) + self._offset.get(user, 0)
+
+    def offset(self, user: str) -> int:
+        """The other replicas' service to ``user`` as last synced, counter units (0 if none)."""
+        return self._offset.get(user, 0)
+
+    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """``VTCPolicy.on_service``, and remember the tokens for the next ``sync``. O(1)."""
+        super().on_service(user_id, prompt_tokens, output_tokens)
+        acc = self._unpublished.get(user_id)
+        if acc is None:
+            self._unpublished[user_id] = [prompt_tokens, output_tokens]
+        else:
+            acc[0] += prompt_tokens
+            acc[1] += output_tokens
+
+    def take_deltas(self) -> dict[str, int]:
+        """The service granted since the last call, user -> counter units (weighted, rounded up
+        once per call as ``charged_counter`` does); clears it. Adds it to ``service_units``."""
+        out: dict[str, int] = {}
+        for user, (p, o) in self._unpublished.items():
+            units = fr.charged_counter(0, fr.service_units(p, o, self.prompt_price, self.output_price),
+                                       self.weight_of(user))
+            out[user] = units
+            self.service_units[user] = self.service_units.get(user, 0) + units
+        self._unpublished = {}
+        return out
+
+    def set_offsets(self, others: Mapping[str, int]) -> None:
+        """Take the others' service (user -> counter units) as the new offsets; an offset never
+        goes down (a smaller reading, e.g. from a store that lost a replica's entry, is ignored)."""
+        off = self._offset
+        for user, units in others.items():
+            if units > off.get(user, 0):
+                off[user] = units
+
+    def sync(self, store: Any) -> None:
+        """Publish the deltas to ``store`` and read the others' totals back: ``store.sync``.
+
+        ``store`` is a ``GlobalCounters`` or anything with its ``sync(replica_id, deltas)``.
+        """
+        self.set_offsets(store.sync(self.replica_id, self.take_deltas()))
+
+    def waiting_users(self) -> list[str]:
+        """Users with a request waiting in this policy's queue."""
+        q = self._q
+        return [u for u in q.users if q.backlogged(u)]

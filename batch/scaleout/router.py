@@ -1,0 +1,162 @@
+"""The request router of a scale-out deployment: each request goes to the least-loaded replica.
+
+Each replica reports its load (``ReplicaLoad``: waiting requests, resident requests, free KV
+blocks, and how many requests it has received in all). The router counts the requests it has
+sent to each replica, so requests sent after the replica's last report (not yet in its waiting
+count) still count as load: ``pending = sent - received``.
+
+The rule (``Router.pick``): the smallest ``waiting + pending + mine``, where ``mine`` is the
+requests of the same user the router sent there that have not finished (``done``); among equals,
+the most free KV blocks; among equals, the replica picked least recently (so a burst that arrives
+before any report is spread round robin, not piled on the first replica).
+
+Why ``mine``: with load alone, users whose requests arrive in a cycle (A, B, C, D, A, ...) over
+replicas that are equally loaded get routed in the same cycle, so with two replicas A and C land
+only on one and B and D only on the other, and no scheduler can then balance A against B. Counting
+the user's own requests spreads each user over the replicas (``docs/scale-out.md``); it adds at most
+the user's own in-flight count to a replica's load.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Hashable, Iterable
+
+__all__ = ["ReplicaLoad", "Router", "NoReplicaError"]
+
+
+class NoReplicaError(RuntimeError):
+    """No live replica to send a request to."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica's load as it reports it.
+
+    Attributes:
+        waiting: requests queued or preempted (not resident).
+        running: resident requests (prefilling or decoding).
+        free_kv_blocks: KV blocks not held.
+        received: requests this replica has accepted or refused since it started (a running
+            total; the router subtracts it from what it sent to get those still in transit).
+        by_user: user -> its unfinished requests there, for a router that cannot see requests
+            end (Ray Serve's); ``None`` when the router counts them itself (``Router.done``).
+        received_by_user: user -> its requests received there (a running total), with
+            ``by_user``: the router adds the user's requests sent since (in transit).
+    """
+
+    waiting: int = 0
+    running: int = 0
+    free_kv_blocks: int = 0
+    received: int = 0
+    by_user: dict[str, int] | None = None
+    received_by_user: dict[str, int] | None = None
+
+
+class Router:
+    """Picks a replica for each request by load (``pick``), fed by the replicas' reports.
+
+    Args:
+        replicas: the replica ids to start with (any hashable; order is the first tie-break).
+
+    Cost: ``pick`` is O(R) for R live replicas.
+    """
+
+    def __init__(self, replicas: Iterable[Hashable] = ()) -> None:
+        self._load: dict[Hashable, ReplicaLoad] = {}
+        self._sent: dict[Hashable, int] = {}
+        self._last_pick: dict[Hashable, int] = {}
+        self._clock = itertools.count(1)
+        self._mine: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent, not done
+        self._sent_user: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent (all time)
+        self.picks: dict[Hashable, int] = {}  # replica -> requests sent to it (all time)
+        for r in replicas:
+            self.add(r)
+
+    @property
+    def replicas(self) -> list[Hashable]:
+        """The live replica ids, in the order they were added."""
+        return list(self._load)
+
+    def add(self, replica: Hashable, load: ReplicaLoad | None = None) -> None:
+        """Start routing to ``replica`` (a new or restarted one); ``load`` its first report."""
+        self._load[replica] = load or ReplicaLoad()
+        self._sent[replica] = (load.received if load else 0)
+        self._last_pick.setdefault(replica, 0)
+        self._mine[replica] = {}
+        self._sent_user[replica] = dict(load.received_by_user or {}) if load else {}
+        self.picks.setdefault(replica, 0)
+
+    def remove(self, replica: Hashable) -> None:
+        """Stop routing to ``replica`` (it died or was drained); unknown ids are ignored."""
+        self._load.pop(replica, None)
+        self._sent.pop(replica, None)
+        self._mine.pop(replica, None)
+        self._sent_user.pop(replica, None)
+
+    def done(self, replica: Hashable, user: str) -> None:
+        """A request of ``user`` sent to ``replica`` finished (or was aborted or refused)."""
+        mine = self._mine.get(replica)
+        if mine is not None and mine.get(user, 0) > 0:
+            mine[user] -= 1
+
+    def report(self, replica: Hashable, load: ReplicaLoad) -> None:
+        """Take ``replica``'s latest load report (ignored for a replica not routed to)."""
+        if replica in self._load:
+            self._load[replica] = load
+
+    def pending(self, replica: Hashable) -> int:
+        """Requests sent to ``replica`` that its last report did not count yet (>= 0)."""
+        return max(0, self._sent[replica] - self._load[replica].received)
+
+    def score(self, replica: Hashable, user: str | None = None) -> tuple[int, int, int]:
+        """The sort key ``pick`` minimises: (waiting + pending + the user's unfinished requests
+        there, -free KV blocks, last pick)."""
+        load = self._load[replica]
+        mine = 0
+        if user is not None:
+            if load.by_user is None:  # the router's own count (``done``)
+                mine = self._mine[replica].get(user, 0)
+            else:  # the replica's, plus what was sent since its report
+                transit = self._sent_user[replica].get(user, 0) - (load.received_by_user or {}).get(user, 0)
+                mine = load.by_user.get(user, 0) + max(0, transit)
+        return (load.waiting + self.pending(replica) + mine, -load.free_kv_blocks, self._last_pick[replica])
+
+    def pick(self, user: str | None = None, exclude: Iterable[Hashable] = ()) -> Hashable:
+        """The replica for the next request of ``user``; counts it as sent there.
+
+        Args:
+            user: the request's user (``None``: load alone). Call ``done(replica, user)`` when
+                the request ends.
+            exclude: replicas not to pick (e.g. an affinity constraint).
+
+        Raises:
+            NoReplicaError: no live replica outside ``exclude``.
+        """
+        ex = set(exclude)
+        best = None
+        best_key = None
+        for r in self._load:
+            if r in ex:
+                continue
+            k = self.score(r, user)
+            if best_key is None or k < best_key:
+                best, best_key = r, k
+        if best is None:
+            raise NoReplicaError("no live replica to route to")
+        self.note_sent(best, user)
+        return best
+
+    def note_sent(self, replica: Hashable, user: str | None = None) -> None:
+        """Count a request of ``user`` as sent to ``replica`` (``pick`` does it; a router that
+        learns where a request went after the fact, as Ray Serve's does, calls it instead)."""
+        self._sent[replica] += 1
+        self._last_pick[replica] = next(self._clock)
+        self.picks[replica] += 1
+        if user is not None:
+            mine = self._mine[replica]
+            mine[user] = mine.get(user, 0) + 1
+            sent = self._sent_user[replica]
+            sent[user] = sent.get(user, 0) + 1

@@ -1,0 +1,318 @@
+"""Scale-out core (batch/scaleout/): shared counters, the global VTC view, the router, the retry
+rule, and the in-process cluster on virtual clocks (docs/scale-out.md)."""
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from batch.policies.vtc import VTCPolicy
+from batch.scaleout.cluster import GapMeter, LocalCluster
+from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
+from batch.scaleout.router import NoReplicaError, ReplicaLoad, Router
+from inference_stub import Request, SimulatedGPU, VirtualClock
+from scheduler import Scheduler
+from spec import fairness_rules as fr
+
+SCALE = fr.COUNTER_SCALE
+
+
+def req(user: str, i: int, *, prompt: int = 20, max_tokens: int = 8, t_s: float = 0.0) -> Request:
+    return Request(user_id=user, prompt=[1 + (i + k) % 60 for k in range(prompt)], max_tokens=max_tokens,
+                   request_id=f"{user}{i}", submitted_at=t_s)
+
+
+def workload(seed: int, per_user: dict[str, int], t_s: float = 0.0) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(user_id=u, prompt=[rng.randint(1, 63) for _ in range(rng.randint(5, 199))],
+                    max_tokens=rng.randint(10, 99), request_id=f"{u}{i}", submitted_at=t_s)
+            for u, n in per_user.items() for i in range(n)]
+
+
+def sim_scheduler(policy, **kw) -> Scheduler:
+    clock = VirtualClock()
+    return Scheduler(clock=clock, backend=SimulatedGPU(seed=0, clock=clock), policy=policy, **kw)
+
+
+def drain(s: Scheduler) -> list[str]:
+    order = []
+    while s.has_active():
+        order += [r.request_id for r in s.tick()]
+    return order
+
+
+# ---------------------------------------------------------------- the global counter view
+
+
+def test_global_policy_without_a_sync_schedules_exactly_as_vtc():
+    runs = []
+    for policy in (VTCPolicy(), GlobalVTCPolicy(replica_id="r0")):
+        s = sim_scheduler(policy)
+        for r in workload(3, {"A": 40, "B": 10, "C": 5}):
+            s.submit(r)
+        runs.append((drain(s), s.metrics()["throughput_tokens_per_sec"]))
+    assert runs[0] == runs[1]
+
+
+def test_service_seen_on_another_replica_puts_a_user_behind_here():
+    pol = GlobalVTCPolicy(replica_id="r0")
+    s = sim_scheduler(pol, max_running=1)
+    for i in range(3):
+        s.submit(req("A", i))
+        s.submit(req("B", i))
+    store = GlobalCounters()
+    store.publish("r1", {"A": 10_000 * SCALE})  # A was served 10,000 weighted tokens on r1
+    pol.sync(store)
+    assert pol.counter("A") == 10_000 * SCALE and pol.offset("B") == 0
+    assert drain(s) == ["B0", "B1", "B2", "A0", "A1", "A2"]
+
+
+def test_without_the_other_replicas_service_the_users_alternate():
+    s = sim_scheduler(GlobalVTCPolicy(replica_id="r0"), max_running=1)
+    for i in range(3):
+        s.submit(req("A", i))
+        s.submit(req("B", i))
+    assert drain(s) == ["A0", "B0", "A1", "B1", "A2", "B2"]
+
+
+def test_a_returning_user_is_lifted_on_the_global_counters():
+    # A is backlogged and ahead by its service elsewhere; B arrives from idle: lifted to A's
+    # global counter less one unit (no credit for time idle), not to A's local one.
+    pol = GlobalVTCPolicy(replica_id="r0")
+    s = sim_scheduler(pol)
+    s.submit(req("A", 0))
+    store = GlobalCounters()
+    store.publish("r1", {"A": 500 * SCALE})
+    pol.sync(store)
+    s.submit(req("B", 0))
+    assert pol.counter("B") == pol.counter("A") - 1
+    assert pol.offset("B") == 0  # the lift is stored in B's own part
+
+
+def test_deltas_are_the_weighted_service_since_the_last_sync():
+    pol = GlobalVTCPolicy(replica_id="r0", weights={"A": 2})
+    pol.on_service("A", 10, 3)  # 10 * 1 + 3 * 2 = 16 weighted tokens, weight 2 -> 8
+    pol.on_service("B", 4, 0)
+    assert pol.take_deltas() == {"A": 8 * SCALE, "B": 4 * SCALE}
+    assert pol.take_deltas() == {}
+    assert pol.service_units == {"A": 8 * SCALE, "B": 4 * SCALE}
+
+
+def test_the_store_sums_the_other_replicas_and_never_goes_back():
+    store = GlobalCounters()
+    store.publish("r0", {"A": 5, "B": 1})
+    assert store.sync("r1", {"A": 7}) == {"A": 5, "B": 1}
+    assert store.others("r0") == {"A": 7, "B": 0}
+    assert store.totals() == {"A": 12, "B": 1}
+    with pytest.raises(ValueError, match="user 'A'"):
+        store.publish("r0", {"A": -1})
+    pol = GlobalVTCPolicy(replica_id="r0")
+    pol.set_offsets({"A": 9})
+    pol.set_offsets({"A": 4})  # a smaller reading is ignored: counters stay monotone
+    assert pol.offset("A") == 9
+
+
+def test_replica_id_must_be_a_name():
+    with pytest.raises(ValueError, match="replica_id"):
+        GlobalVTCPolicy(replica_id="")
+
+
+# ---------------------------------------------------------------- the router
+
+
+def test_router_picks_the_shortest_queue_then_the_most_free_kv():
+    r = Router(["a", "b", "c"])
+    r.report("a", ReplicaLoad(waiting=3, free_kv_blocks=200))
+    r.report("b", ReplicaLoad(waiting=1, free_kv_blocks=10))
+    r.report("c", ReplicaLoad(waiting=1, free_kv_blocks=50))
+    assert r.pick() == "c"
+    assert r.pick() == "b"  # c has one request in transit now: b's queue is the shorter
+
+
+def test_router_counts_requests_not_yet_reported_and_breaks_ties_round_robin():
+    r = Router(["a", "b"])
+    assert [r.pick() for _ in range(4)] == ["a", "b", "a", "b"]
+    assert r.pending("a") == 2
+    r.report("a", ReplicaLoad(waiting=2, received=2))
+    assert r.pending("a") == 0
+
+
+def test_router_spreads_each_user_over_the_replicas():
+    # users arriving in a cycle over two equal replicas: load alone would put A and C on one
+    # replica and B and D on the other; counting the user's own requests spreads each user
+    r = Router(["a", "b"])
+    placed: dict[str, set] = {}
+    for _ in range(4):
+        for u in "ABCD":
+            placed.setdefault(u, set()).add(r.pick(u))
+    assert all(v == {"a", "b"} for v in placed.values())
+    r.done("a", "A")
+    assert r.score("a", "A")[0] == r.score("a")[0] + 1
+
+
+def test_router_exclude_remove_and_no_replica():
+    r = Router(["a", "b"])
+    assert r.pick(exclude=["a"]) == "b"
+    r.remove("b")
+    assert r.replicas == ["a"]
+    with pytest.raises(NoReplicaError):
+        r.pick(exclude=["a"])
+
+
+# ---------------------------------------------------------------- the cluster and the retry rule
+
+
+def test_gap_meter_measures_only_while_both_are_backlogged():
+    m = GapMeter()
+    m.sample({"A": 0, "B": 0}, {"A", "B"})
+    m.sample({"A": 10, "B": 2}, {"A", "B"})
+    m.sample({"A": 100, "B": 2}, {"A"})  # B not backlogged: not counted
+    m.sample({"A": 103, "B": 3}, {"A", "B"})  # a new interval from the sample before
+    assert m.gap == 8
+
+
+def test_killing_a_replica_loses_nothing_and_the_retries_regenerate_the_same_tokens():
+    reqs = workload(1, {"A": 60, "B": 20})
+    base = LocalCluster(2, period_s=0.05).run(reqs)
+    tokens = {r.request_id: list(r.generated) for r in base.finished}
+    for r in reqs:
+        r.submitted_at = 0.0
+    res = LocalCluster(2, period_s=0.05).run(reqs, kill=[(0.3, "r1")])
+    assert sorted(r.request_id for r in res.finished) == sorted(r.request_id for r in reqs)
+    assert res.retried, "the kill hit requests in flight"
+    assert all(n == 1 for n in res.retried.values())
+    assert {r.request_id: list(r.generated) for r in res.finished} == tokens
+    assert all(r.completed_at > 0.3 for r in res.finished if r.request_id in res.retried)
+
+
+def test_the_last_replica_dying_is_an_error():
+    c = LocalCluster(1, period_s=None)
+    c.submit(req("A", 0), 0.0)
+    with pytest.raises(NoReplicaError):
+        c.kill("r0", 0.0)
+
+
+def _flood(seed: int) -> list[Request]:
+    # A floods; B and C each send a backlog too. The runs pin B to r0 and C to r1 (an affinity
+    # constraint: ``_PIN``), the case where each replica alone would split evenly between A and its
+    # light user, handing A half of the cluster.
+    rng = random.Random(seed)
+    out = workload(seed, {"A": 300})
+    out += [Request(user_id=u, prompt=[rng.randint(1, 63) for _ in range(rng.randint(5, 199))],
+                    max_tokens=rng.randint(10, 99), request_id=f"{u}{i}") for i in range(60) for u in ("B", "C")]
+    return out
+
+
+def _pin(r: Request) -> set[str]:
+    return {"B": {"r1"}, "C": {"r0"}}.get(r.user_id, set())
+
+
+def _shares(res) -> dict[str, dict[str, float]]:
+    return {rid: {u: v / sum(d.values()) for u, v in d.items()} for rid, d in res.share_service.items()}
+
+
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "routed"])
+def test_a_flooding_user_gets_no_more_than_its_share_on_either_replica(pin):
+    res = LocalCluster(2, period_s=0.05).run(_flood(0), exclude=_pin if pin else None)
+    assert len(res.finished) == 420
+    for rid, share in _shares(res).items():
+        assert share["A"] <= 1 / 3 + 0.05, (rid, share)
+
+
+def test_without_shared_counters_each_replica_gives_the_flooder_half():
+    res = LocalCluster(2, period_s=None).run(_flood(0), exclude=_pin)
+    assert all(share["A"] > 0.45 for share in _shares(res).values())
+
+
+def _ab(seed: int, with_a: bool) -> list[Request]:
+    rng = random.Random(seed)
+    out = []
+    for user, n in (("A", 100), ("B", 5)):
+        for i in range(n):
+            r = Request(user_id=user, prompt=[rng.randint(1, 63) for _ in range(rng.randint(5, 199))],
+                        max_tokens=rng.randint(10, 99), request_id=f"{user}{i}")
+            if with_a or user == "B":
+                out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ab_burst_over_two_replicas_keeps_b_ttft_near_alone(seed):
+    med = []
+    for with_a in (False, True):
+        res = LocalCluster(2, period_s=0.05).run(_ab(seed, with_a))
+        med.append(statistics.median(r.started_at - r.submitted_at for r in res.finished if r.user_id == "B"))
+    assert med[1] <= 1.5 * med[0]
+
+
+def test_two_replicas_finish_a_saturating_backlog_in_about_half_the_time():
+    one = LocalCluster(1, period_s=0.05).run(workload(2, {"A": 100, "B": 100}))
+    two = LocalCluster(2, period_s=0.05).run(workload(2, {"A": 100, "B": 100}))
+    assert two.throughput_tokens_per_s >= 1.8 * one.throughput_tokens_per_s
+    assert two.balance() < 1.2
+
+
+def test_engine_call_runs_on_the_engine_thread_and_hands_back_result_or_error():
+    import asyncio
+    import threading
+
+    from batch.server.engine import Engine, SeededGPU
+
+    async def main():
+        engine = Engine(Scheduler(backend=SeededGPU(time_scale=0.01)))
+        engine.start(asyncio.get_running_loop())
+        try:
+            name = await engine.call(lambda: threading.current_thread().name)
+            with pytest.raises(ZeroDivisionError):
+                await engine.call(lambda: 1 / 0)
+            return name
+        finally:
+            engine.stop()
+
+    assert asyncio.new_event_loop().run_until_complete(main()) == "batch-engine"
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_the_cross_replica_counter_gap_stays_within_the_derived_bound(replicas):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import scaleout_sim
+
+    row = scaleout_sim.run_overload(replicas, 0.05, 30, seed=1)
+    assert row["requests"] == 120 * replicas
+    assert 0 < row["counter_gap"] <= row["bound"]
+    assert row["bound"] == row["resident_part"] + row["period_service_D"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--policy", "fcfs"], "simulated GPU with the VTC policy only"),
+    (["--replicas", "2", "--backend", "model"], "simulated GPU with the VTC policy only"),
+])
+def test_batch_serve_replicas_refuses_what_it_cannot_run(args, message, capsys):
+    from batch.server.serve import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_gap_observer_measures_gap_resident_and_window_service():
+    from batch.scaleout.counters import GapObserver
+
+    now = [0.0]
+    store = GlobalCounters()
+    store.observer = GapObserver(staleness_s=0.1, clock=lambda: now[0])
+    store.sync("r0", {"A": 10 * SCALE, "B": 2 * SCALE}, {"waiting": ["A", "B"], "resident": {"A": 3}})
+    now[0] = 0.05
+    store.sync("r1", {"A": 5 * SCALE}, {"waiting": ["A", "B"], "resident": {"A": 2, "B": 1}})
+    now[0] = 0.5  # the window forgets what came before 0.4 s
+    store.sync("r0", {"B": 1 * SCALE}, {"waiting": ["A"], "resident": {}})
+    st = store.gap_stats()
+    assert st["max_gap_tokens"] == 13  # A 15 - B 2, both waiting on r0 and r1
+    assert st["max_resident"] == {"A": 5, "B": 1}
+    assert st["max_window_tokens"] == 15  # A's 10 + 5 within 0.1 s

@@ -1,0 +1,130 @@
+"""Two Batch replicas on Ray Serve (batch/scaleout/ray_serve.py) on a local Ray with 2 CPUs and the
+simulated GPU at the stub's latency: a replica killed mid-run loses nothing (its requests are
+retried on the other from scratch and come back with the same tokens), the A/B burst over both
+replicas keeps B's median TTFT within 1.5x of alone, and a flooding user gets no more than its share
+on either replica. Skipped without the ``scaleout`` extra (``make test-scaleout`` installs it)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the 'scaleout' extra (ray[serve]): make test-scaleout")
+serve = pytest.importorskip("ray.serve")
+
+from batch.scaleout.ray_serve import ScaleoutClient, deploy  # noqa: E402
+from batch.server.engine import SeededGPU, ServedRequest  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from spec import fairness_rules as fr  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TIME_SCALE = 1.0  # the stub's latency: 5 ms + 1 ms per request an iteration
+KV_CAP_BLOCKS = 96  # a smaller cache than the stub's 256: a burst of 60 requests per user is a backlog
+
+
+@pytest.fixture(scope="module")
+def handle():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        h, counters = deploy(2, time_scale=TIME_SCALE, period_s=0.05, kv_cap_blocks=KV_CAP_BLOCKS)
+        h.counters = counters
+        yield h
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def bodies(user: str, n: int, seed: int, max_tokens: tuple[int, int] = (10, 99)) -> list[dict]:
+    rng = random.Random(f"{user}/{seed}")
+    return [{"user": user, "prompt": [rng.randint(1, 63) for _ in range(rng.randint(5, 199))],
+             "max_tokens": rng.randint(*max_tokens), "request_id": f"{user}{seed}-{i}"} for i in range(n)]
+
+
+def expected_tokens(items: list[dict]) -> dict[str, list[int]]:
+    """What the seeded GPU produces for each prompt, run here on one scheduler."""
+    s = Scheduler(backend=SeededGPU(time_scale=1e-6, seed=0))
+    reqs = [ServedRequest(user_id=b["user"], prompt=b["prompt"], max_tokens=b["max_tokens"],
+                          request_id=b["request_id"], seed_key=SeededGPU.prompt_key(b["prompt"])) for b in items]
+    for r in reqs:
+        s.submit(r)
+    while s.has_active():
+        s.tick()
+    return {r.request_id: list(r.generated) for r in reqs}
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def test_a_killed_replica_loses_nothing_its_requests_are_retried_from_scratch(handle):
+    client = ScaleoutClient(handle)
+    items = bodies("A", 40, 1, max_tokens=(80, 99)) + bodies("B", 40, 1, max_tokens=(80, 99))
+    victim = run(client.generate(bodies("W", 1, 0)[0]))["actor_name"]
+
+    async def main():
+        tasks = [asyncio.ensure_future(client.generate(b)) for b in items]
+        await asyncio.sleep(0.5)
+        assert not all(t.done() for t in tasks), "the run ended before the kill"
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        return await asyncio.gather(*tasks)
+
+    out = run(main())
+    assert len(out) == len(items) and all("error" not in o for o in out)
+    assert client.retries > 0, "the kill hit requests in flight"
+    assert {o["request_id"]: o["tokens"] for o in out} == expected_tokens(items)
+    assert all(o["actor_name"] != victim for o in out if o["tries"] > 1)
+    print(f"kill: {len(out)} requests, {sum(o['tries'] > 1 for o in out)} retried on the other replica, none lost, "
+          f"tokens equal to a single scheduler's")
+
+
+def test_ab_burst_over_both_replicas_keeps_b_ttft_within_1_5x_of_alone(handle):
+    client = ScaleoutClient(handle)
+
+    async def burst(items):
+        return await asyncio.gather(*(client.generate(b) for b in items))
+
+    ratios = []
+    for seed in (2, 3, 4):
+        b_items = bodies("B", 5, seed)
+        alone = statistics.median(o["ttft_s"] for o in run(burst(b_items)))
+        mixed = run(burst(bodies("A", 100, seed) + [dict(b, request_id=b["request_id"] + "x") for b in b_items]))
+        with_a = statistics.median(o["ttft_s"] for o in mixed if o["request_id"].startswith("B"))
+        assert {o["replica"] for o in mixed} == set(o["replica"] for o in mixed) and len({o["replica"] for o in mixed}) == 2
+        ratios.append(with_a / alone)
+    print(f"A/B over two replicas: B's median TTFT with A / alone, per seed: {[round(r, 2) for r in ratios]}")
+    assert statistics.median(ratios) <= 1.5, ratios
+
+
+def test_a_flooding_user_gets_no_more_than_its_share_on_either_replica(handle):
+    # F floods (240 requests) while L1 and L2 send 120 each, interleaved in one burst; when the
+    # first light user has all its answers, F's share of each replica's service since the burst
+    # (as the replicas last published it to the counters actor) is at most a third plus slack.
+    client = ScaleoutClient(handle)
+    before = ray.get(handle.counters.by_replica.remote())
+    flood, l1, l2 = bodies("F", 240, 5), bodies("L1", 120, 5), bodies("L2", 120, 5)
+    order = [b for i in range(240) for b in ([flood[i]] + ([l1[i // 2], l2[i // 2]] if i % 2 else []))]
+    assert len(order) == 480
+
+    async def main():
+        tasks = {b["request_id"]: asyncio.ensure_future(client.generate(b)) for b in order}
+        light = [[tasks[b["request_id"]] for b in items] for items in (l1, l2)]
+        done, _ = await asyncio.wait([asyncio.gather(*ts) for ts in light], return_when=asyncio.FIRST_COMPLETED)
+        snapshot = ray.get(handle.counters.by_replica.remote())
+        await asyncio.gather(*tasks.values())
+        return snapshot
+
+    after = run(main())
+    checked = 0
+    for replica, svc in after.items():
+        got = {u: svc.get(u, 0) - before.get(replica, {}).get(u, 0) for u in ("F", "L1", "L2")}
+        total = sum(got.values())
+        if total < 1000 * fr.COUNTER_SCALE:
+            continue  # the replica killed by the first test, or one that served next to nothing
+        checked += 1
+        print(f"flood: replica {replica}: service since the burst, weighted tokens: "
+              f"{ {u: round(v / fr.COUNTER_SCALE) for u, v in got.items()} }; F's share {got['F'] / total:.3f}")
+        assert got["F"] / total <= 1 / 3 + 0.12, (replica, {u: v / fr.COUNTER_SCALE for u, v in got.items()})
+    assert checked == 2
