@@ -56,22 +56,31 @@ def worst_case_iterations(prompt_tokens: int, max_tokens: int, chunk_tokens: int
     return -(-(prompt_tokens + max_tokens) // chunk_tokens) + max_tokens
 
 
-def lifecycle_paths() -> dict[str, set[str]]:
-    """State -> the states reachable from it by one or more rows of the lifecycle table."""
-    edges: dict[str, set[str]] = {}
-    for _, sources, dest in lc.TRANSITIONS:
-        for src in sources:
-            edges.setdefault(src, set()).add(dest)
-    paths = {}
-    for start in lc.STATES:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in edges.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        paths[start] = seen
-    return paths
+def row_dest(event: str, state: str) -> str | None:
+    """The state ``event`` leads to from ``state`` by ``spec.lifecycle.TRANSITIONS``, or None."""
+    for e, sources, dest in lc.TRANSITIONS:
+        if e == event and state in sources:
+            return dest
+    return None
+
+
+def tick_changes(state: str) -> set[str]:
+    """The states one tick can take a request in ``state`` to, by the table's rows: a grant
+    (``admit`` or ``resume``), then ``prefill_done``, then ``finish``, each optional (a request
+    admitted with a one-chunk prompt may decode or finish in the tick that admits it), or a lone
+    ``preempt`` (a request admitted this tick is not a victim; admission does not run in a tick
+    that preempted, so a preempted request does not come back in it)."""
+    out = set()
+    for granted in (state, row_dest("admit", state), row_dest("resume", state)):
+        if granted is None:
+            continue
+        for decoded in (granted, row_dest("prefill_done", granted)):
+            if decoded is None:
+                continue
+            out |= {decoded, row_dest("finish", decoded)}
+    out.add(row_dest("preempt", state))
+    out.discard(None)
+    return out
 
 
 class RecordingBackend:
@@ -222,13 +231,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.sched is not None and len(self.accepted) - len(self.returned) <= MAX_IN_FLIGHT_FOR_BURST)
     @rule(user=st.sampled_from(USERS), n=st.integers(2, 8), prompt_tokens=st.integers(1, 40),
-          max_tokens=st.integers(8, 64))
-    def submit_burst(self, user: str, n: int, prompt_tokens: int, max_tokens: int) -> None:
+          max_tokens=st.integers(8, 64), light=st.booleans())
+    def submit_burst(self, user: str, n: int, prompt_tokens: int, max_tokens: int, light: bool) -> None:
         """``n`` requests of one user at once, running to ``max_tokens`` (no EOS): the cache fills,
-        requests grow into each other and are preempted (the A/B burst in small). Only while at
-        most ``MAX_IN_FLIGHT_FOR_BURST`` are in flight: every tick checks every request."""
+        requests grow into each other and are preempted (the A/B burst in small); with ``light``,
+        then one short request of the next user, which holds few blocks among them (a light user:
+        the victim rule's shield). Only while at most ``MAX_IN_FLIGHT_FOR_BURST`` are in flight:
+        every tick checks every request."""
         for _ in range(n):
             self.submit(user, prompt_tokens, max_tokens, 0)
+        if light:
+            self.submit(USERS[(USERS.index(user) + 1) % len(USERS)], 1, max_tokens, 0)
 
     @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
     @rule(data=st.data())
@@ -276,6 +289,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_finished(r)
         self._count_blocked()
         self.ticks += 1
+        # the per-tick properties, after every tick (not only after a rule: a run of ticks is many steps)
+        self._check_lifecycle(in_tick=True)
+        self.default_policy_admission_bound()
+        self.preemption_cap_and_aging_hold()
 
     @rule(n=st.integers(2, 30))
     def ticks(self, n: int) -> None:
@@ -378,15 +395,23 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def lifecycle_follows_the_table(self) -> None:
-        """Every state change is a path of ``spec.lifecycle.TRANSITIONS`` (several rows may fire in
-        one tick), a returned request is final, and a final state never changes."""
+        """Outside a tick (submit, abort) a state changes only by ``abort``; see ``_check_lifecycle``."""
+        self._check_lifecycle(in_tick=False)
+
+    def _check_lifecycle(self, *, in_tick: bool) -> None:
+        """Every state change is allowed by ``spec.lifecycle.TRANSITIONS``: in one tick, a grant
+        (``admit``/``resume``), then ``prefill_done``, then ``finish``, each optional, or a lone
+        ``preempt`` (``tick_changes``); outside a tick only ``abort``. A returned request is
+        final (``done`` from ``tick()``, ``aborted`` from ``abort()``) and a final state never changes."""
         if self.sched is None:
             return
         for rid, seq in self.seq_of.items():
             prev, cur = self.state_of[rid], seq.state
             if cur != prev:
                 assert prev not in lc.FINAL_STATES, f"{rid} left the final state {prev} for {cur}"
-                assert cur in lifecycle_paths()[prev], f"{rid}: {prev} -> {cur} is no path of the lifecycle table"
+                allowed = tick_changes(prev) if in_tick else {row_dest("abort", prev)}
+                assert cur in allowed, f"{rid}: {prev} -> {cur} {'in one tick' if in_tick else 'outside a tick'} " \
+                                       f"is not allowed by the lifecycle table (allowed: {sorted(x for x in allowed if x)})"
                 self.state_of[rid] = cur
             if rid in self.returned:
                 assert cur in lc.FINAL_STATES, f"{rid} was returned in state {cur}"

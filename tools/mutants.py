@@ -377,7 +377,8 @@ def run_stateful(copy: Path, steps: int, examples: int) -> dict[str, Any]:
         res["stateful"] = {"caught": False, "detail": ""}
     else:
         label = "" if end["in_test"] or end["type"] == "InvariantViolation" else "crash: "
-        res["stateful"] = {"caught": True, "detail": f"{label}{end['line']} ({end['where']})"}
+        res["stateful"] = {"caught": True, "detail": f"{label}{end['line']} ({end['where']})",
+                           "spec": not label}  # a crash in the scheduler is not a spec check's catch
     return res
 
 
@@ -434,8 +435,19 @@ def check_tree(files: list[str], mutant: Mutant | None, s: Settings, closure: se
     if mutant is not None:
         row = {"name": mutant.name, "description": mutant.description, "where": mutant.where(), "path": mutant.path}
     row["results"] = r
-    row["caught_by_spec"] = any(r[c]["caught"] for c in SPEC_CHECKS)
+    row["caught_by_spec"] = any(spec_catch(c, r[c]) for c in SPEC_CHECKS)
     return row
+
+
+def spec_catch(check: str, res: dict[str, Any]) -> bool:
+    """Whether ``res`` is a catch by the spec itself: a proof's counterexample (not an import error
+    or a timeout of the mutated tree), a trace-validation or invariant failure, or an assertion of
+    the stateful test; not a crash inside the scheduler (its own asserts) nor a hang."""
+    if not res["caught"]:
+        return False
+    if check == "proofs":
+        return "[counterexample]" in res["detail"]
+    return res.get("spec", True) and "timeout" not in res["detail"]
 
 
 # ---------------------------------------------------------------- output
@@ -489,7 +501,9 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], root: Path =
         "`runtime invariants`: the first `RefinementError` / `InvariantViolation` in the stateful run (recorded, "
         "not raised, so that each check is seen on its own). `stateful invariants`: the run's own failure, an "
         "assertion of `tests/test_stateful.py` or a `crash:` (an exception raised in the scheduler). `-`: ran, "
-        "did not catch it. The run on the unmutated tree passed every check first.",
+        "did not catch it. The run on the unmutated tree passed every check first. Counted as caught by the "
+        "spec checks: a proof's counterexample, a trace-validation or invariant failure, an assertion of the "
+        "stateful test; not a `crash:` (the scheduler's own asserts) or a timeout (`spec_catch`).",
         "",
         markdown_table(rows),
         "",
