@@ -135,6 +135,11 @@ class EngineReplica:
         self._by_user: dict[str, int] = {}  # user -> its requests here not finished
         self._received_by_user: dict[str, int] = {}  # user -> its requests received here (all time)
         self._task: asyncio.Task | None = None
+        if counters is not None:  # a replacement or late replica: the others' service now, not 0 until a sync
+            try:
+                self.policy.set_offsets(ray.get(counters.others.remote(self.replica_id), timeout=5.0))
+            except Exception:  # noqa: BLE001 - the actor unreachable: offsets 0 until the first sync
+                pass
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -143,10 +148,14 @@ class EngineReplica:
             self._task = loop.create_task(self._sync_forever())
 
     async def _sync_forever(self) -> None:
-        """Every ``period_s``: take the deltas on the engine thread, sync with the actor, set the
-        offsets on the engine thread. Deltas a failed call did not deliver are sent next time."""
+        """At once (the engine's start), then every ``period_s``: take the deltas on the engine
+        thread, sync with the actor, set the offsets on the engine thread. Deltas a failed call did
+        not deliver are sent next time."""
+        first = True
         while self.counters is not None:
-            await asyncio.sleep(self.period_s)
+            if not first:
+                await asyncio.sleep(self.period_s)
+            first = False
             deltas, state = await self.engine.call(self._take)
             for u, d in deltas.items():
                 self._unsent[u] = self._unsent.get(u, 0) + d
