@@ -21,6 +21,7 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -38,7 +39,13 @@ from spec import fairness_rules as fr
 __all__ = ["CountersActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress", "deploy",
            "serve_http", "RETRYABLE"]
 
+#: No ``max_restarts``: the store is in memory, so a restarted actor would start from empty totals,
+#: below every replica's offsets (which never go down): sharing would stay frozen until the new
+#: totals caught up. If it dies, each replica keeps scheduling on its frozen offsets plus its own
+#: counters, keeps its deltas (``_unsent``) and retries every period (docs/scale-out.md, section 1).
 CountersActor = ray.remote(num_cpus=0)(GlobalCounters)
+
+log = logging.getLogger(__name__)
 
 #: Errors that mean the replica (its actor) is gone: the client retries elsewhere.
 RETRYABLE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -152,20 +159,35 @@ class EngineReplica:
         thread, sync with the actor, set the offsets on the engine thread. Deltas a failed call did
         not deliver are sent next time."""
         first = True
+        failing = 0  # consecutive failed syncs: logged once per streak
         while self.counters is not None:
             if not first:
                 await asyncio.sleep(self.period_s)
             first = False
-            deltas, state = await self.engine.call(self._take)
-            for u, d in deltas.items():
-                self._unsent[u] = self._unsent.get(u, 0) + d
             try:
-                others = await self.counters.sync.remote(self.replica_id, self._unsent, state)
-            except Exception:  # noqa: BLE001 - the actor restarting: keep the deltas, try again
+                await self._sync_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the actor dead or unreachable, the engine erring: retry
+                if not failing:
+                    log.warning("replica %s: counter sync failed (%r); sharing paused (offsets frozen, deltas "
+                                "kept), retrying every %s s", self.replica_id, e, self.period_s)
+                failing += 1
                 continue
-            self._unsent = {}
-            self.syncs += 1
-            await self.engine.call(lambda o=others: self.policy.set_offsets(o))
+            if failing:
+                log.warning("replica %s: counter sync back after %d failed tries", self.replica_id, failing)
+                failing = 0
+
+    async def _sync_once(self) -> None:
+        """One sync; raises what the engine call or the actor call raised. Deltas taken but not
+        delivered stay in ``_unsent`` (sent with the next sync)."""
+        deltas, state = await self.engine.call(self._take)
+        for u, d in deltas.items():
+            self._unsent[u] = self._unsent.get(u, 0) + d
+        others = await self.counters.sync.remote(self.replica_id, self._unsent, state)
+        self._unsent = {}
+        self.syncs += 1
+        await self.engine.call(lambda o=others: self.policy.set_offsets(o))
 
     def _take(self) -> tuple[dict[str, int], dict]:
         """On the engine thread: the deltas, and the state the store may measure the gap from."""
