@@ -8,7 +8,8 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
   reports its load to the router through Serve's ``record_routing_stats`` (every
   ``stats_period_s``) and syncs its counters with the ``CountersActor`` every ``period_s``: the
   deltas are taken and the offsets set on the engine thread (``Engine.call``), the actor call in
-  between, so the staleness is at most ``2 * period_s`` plus one actor round trip.
+  between, so the staleness is at most ``2 * (period_s + tick + round trip) + tick``, ``tick`` the
+  longest iteration (each ``Engine.call`` waits for the current tick).
 * ``BatchRequestRouter`` (a Serve ``RequestRouter``): ``batch.scaleout.router.Router`` over the
   replicas' reported stats (waiting + in transit + the user's own unfinished requests there, then
   free KV blocks, then least recently picked).
@@ -335,7 +336,8 @@ def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: f
     """Start the counters actor and ``replicas`` engine replicas on the running Ray instance.
 
     ``observe_gap``: the actor measures the counter gap and the bound's terms at every sync
-    (``GapObserver``, staleness ``2 * period_s + 0.05`` s; read with ``counters.gap_stats``).
+    (``GapObserver``, window ``2 * period_s + 0.05`` s, which leaves the ticks out of the staleness:
+    the measured ``D`` is an underestimate, docs/scale-out.md section 1; read with ``counters.gap_stats``).
 
     Returns:
         ``(deployment handle, counters actor or None)``.
