@@ -193,6 +193,21 @@ def test_the_last_replica_dying_is_an_error():
         c.kill("r0", 0.0)
 
 
+def test_killing_the_last_replica_is_refused_and_drops_nothing():
+    c = LocalCluster(2, period_s=None)
+    reqs = [req("A", i) for i in range(4)]
+    for r in reqs:
+        c.submit(r, 0.0)
+    assert c.kill("r1", 0.0)  # r0 takes r1's requests
+    with pytest.raises(NoReplicaError):
+        c.kill("r0", 0.0)
+    r0 = c.replicas["r0"]
+    assert r0.alive and len(r0.in_flight) == len(reqs) and c.router.replicas == ["r0"]
+    res = c.run([])
+    assert sorted(r.request_id for r in res.finished) == sorted(r.request_id for r in reqs)
+    assert c.kill("r0", 1e9) == []  # holding nothing, the last replica may die
+
+
 def _flood(seed: int) -> list[Request]:
     # A floods; B and C each send a backlog too. The runs pin B to r0 and C to r1 (an affinity
     # constraint: ``_PIN``), the case where each replica alone would split evenly between A and its
