@@ -193,6 +193,21 @@ def test_the_last_replica_dying_is_an_error():
         c.kill("r0", 0.0)
 
 
+def test_killing_the_last_replica_is_refused_and_drops_nothing():
+    c = LocalCluster(2, period_s=None)
+    reqs = [req("A", i) for i in range(4)]
+    for r in reqs:
+        c.submit(r, 0.0)
+    assert c.kill("r1", 0.0)  # r0 takes r1's requests
+    with pytest.raises(NoReplicaError):
+        c.kill("r0", 0.0)
+    r0 = c.replicas["r0"]
+    assert r0.alive and len(r0.in_flight) == len(reqs) and c.router.replicas == ["r0"]
+    res = c.run([])
+    assert sorted(r.request_id for r in res.finished) == sorted(r.request_id for r in reqs)
+    assert c.kill("r0", 1e9) == []  # holding nothing, the last replica may die
+
+
 def _flood(seed: int) -> list[Request]:
     # A floods; B and C each send a backlog too. The runs pin B to r0 and C to r1 (an affinity
     # constraint: ``_PIN``), the case where each replica alone would split evenly between A and its
@@ -316,3 +331,26 @@ def test_the_gap_observer_measures_gap_resident_and_window_service():
     assert st["max_gap_tokens"] == 13  # A 15 - B 2, both waiting on r0 and r1
     assert st["max_resident"] == {"A": 5, "B": 1}
     assert st["max_window_tokens"] == 15  # A's 10 + 5 within 0.1 s
+
+
+@pytest.mark.parametrize("extra", [["--max-running", "4"], ["--eos-probability", "0.5"], ["--max-waiting", "10"],
+                                   ["--max-body-bytes", "100"], ["--served-model-name", "m"]])
+def test_serve_replicas_refuses_the_options_it_would_ignore(extra, capsys):
+    from batch.server import serve  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--replicas", "2", *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "does not support" in err and extra[0] in err
+
+
+def test_serve_replicas_refuses_api_keys(tmp_path, capsys):
+    from batch.server import serve  # noqa: PLC0415
+
+    cfg = tmp_path / "users.json"
+    cfg.write_text('{"weights": {"alice": 2}, "api_keys": {"k1": "alice"}}')
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--replicas", "2", "--config", str(cfg)])
+    assert e.value.code == 2
+    assert "api_keys" in capsys.readouterr().err.strip().splitlines()[-1]

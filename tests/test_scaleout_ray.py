@@ -92,7 +92,8 @@ def test_ab_burst_over_both_replicas_keeps_b_ttft_within_1_5x_of_alone(handle):
         alone = statistics.median(o["ttft_s"] for o in run(burst(b_items)))
         mixed = run(burst(bodies("A", 100, seed) + [dict(b, request_id=b["request_id"] + "x") for b in b_items]))
         with_a = statistics.median(o["ttft_s"] for o in mixed if o["request_id"].startswith("B"))
-        assert {o["replica"] for o in mixed} == set(o["replica"] for o in mixed) and len({o["replica"] for o in mixed}) == 2
+        assert len(mixed) == 105 and all("error" not in o for o in mixed)
+        assert len({o["replica"] for o in mixed if o["request_id"].startswith("A")}) == 2, "A's burst used one replica"
         ratios.append(with_a / alone)
     print(f"A/B over two replicas: B's median TTFT with A / alone, per seed: {[round(r, 2) for r in ratios]}")
     assert statistics.median(ratios) <= 1.5, ratios

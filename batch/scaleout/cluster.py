@@ -16,7 +16,9 @@ and recomputed (``Scheduler.submit`` gives it an empty ``generated``). Under a d
 (the seeded simulated GPU, greedy decoding) the recomputed tokens are the same ones, so a stream
 that already delivered ``k`` tokens can skip the first ``k`` of the retry. Its arrival time is kept
 (``arrival_s``) for TTFT; the service the dead replica granted since its last sync is lost from the
-shared counters (at most one period's).
+shared counters (at most one period's), and the retry is charged again where it reruns. Killing the
+last live replica while it holds unfinished requests is refused (``NoReplicaError``; nothing is
+dropped).
 
 Standard library only (``bench/scaleout_sim.py`` drives it).
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
-from batch.scaleout.router import ReplicaLoad, Router
+from batch.scaleout.router import NoReplicaError, ReplicaLoad, Router
 from inference_stub import Request, SimulatedGPU, VirtualClock
 from scheduler import RequestError, Scheduler
 from spec import fairness_rules as fr
@@ -267,11 +269,16 @@ class LocalCluster:
             the resubmitted requests.
 
         Raises:
-            KeyError: no such replica. NoReplicaError: it was the last live one.
+            KeyError: no such replica. NoReplicaError: it is the last live replica and holds
+                unfinished requests, which would have nowhere to go: it is *not* killed (nothing
+                changes), so no request is dropped.
         """
         rep = self.replicas[replica_id]
         if not rep.alive:
             return []
+        if rep.in_flight and not any(r.alive for r in self.replicas.values() if r is not rep):
+            raise NoReplicaError(f"refusing to kill {replica_id}, the last live replica: its "
+                                 f"{len(rep.in_flight)} unfinished requests would be lost")
         rep.alive = False
         self.router.remove(replica_id)
         moved = list(rep.in_flight.values())

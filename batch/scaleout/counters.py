@@ -8,9 +8,10 @@ calls ``GlobalVTCPolicy.sync(store)``: it publishes the service it granted since
 Ray deployment holds the store in one actor, ``batch.scaleout.ray_serve``).
 
 Staleness: a replica's view of another's service lags by at most ``S`` seconds, where ``S = P``
-when all replicas sync at the same instants (the virtual-clock simulation) and ``S = 2P`` plus
-one round trip when they sync on their own timers (one period before the other publishes, one
-before this one reads). ``docs/scale-out.md`` derives what ``S`` costs the counter-gap bound.
+when all replicas sync at the same instants (the virtual-clock simulation) and, on Ray, where they
+sync on their own timers and each engine call waits for the current tick,
+``S <= 2 * (P + tick + round trip) + tick`` (one period before the other publishes, one before this
+one reads, the ticks in between). ``docs/scale-out.md`` derives what ``S`` costs the counter-gap bound.
 
 Standard library only.
 """
@@ -107,7 +108,7 @@ class GapObserver:
     The totals lag by up to one period per replica, so the gap is measured to within ``D``.
 
     Args:
-        staleness_s: the window for ``D``, seconds (``2 * period_s`` plus a round trip on Ray).
+        staleness_s: the window for ``D``, seconds (S: ``2 * (period_s + tick + round trip) + tick`` on Ray).
         clock: seconds (default ``time.monotonic``).
     """
 

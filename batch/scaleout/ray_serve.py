@@ -8,7 +8,8 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
   reports its load to the router through Serve's ``record_routing_stats`` (every
   ``stats_period_s``) and syncs its counters with the ``CountersActor`` every ``period_s``: the
   deltas are taken and the offsets set on the engine thread (``Engine.call``), the actor call in
-  between, so the staleness is at most ``2 * period_s`` plus one actor round trip.
+  between, so the staleness is at most ``2 * (period_s + tick + round trip) + tick``, ``tick`` the
+  longest iteration (each ``Engine.call`` waits for the current tick).
 * ``BatchRequestRouter`` (a Serve ``RequestRouter``): ``batch.scaleout.router.Router`` over the
   replicas' reported stats (waiting + in transit + the user's own unfinished requests there, then
   free KV blocks, then least recently picked).
@@ -21,6 +22,7 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -38,7 +40,13 @@ from spec import fairness_rules as fr
 __all__ = ["CountersActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress", "deploy",
            "serve_http", "RETRYABLE"]
 
+#: No ``max_restarts``: the store is in memory, so a restarted actor would start from empty totals,
+#: below every replica's offsets (which never go down): sharing would stay frozen until the new
+#: totals caught up. If it dies, each replica keeps scheduling on its frozen offsets plus its own
+#: counters, keeps its deltas (``_unsent``) and retries every period (docs/scale-out.md, section 1).
 CountersActor = ray.remote(num_cpus=0)(GlobalCounters)
+
+log = logging.getLogger(__name__)
 
 #: Errors that mean the replica (its actor) is gone: the client retries elsewhere.
 RETRYABLE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -135,6 +143,11 @@ class EngineReplica:
         self._by_user: dict[str, int] = {}  # user -> its requests here not finished
         self._received_by_user: dict[str, int] = {}  # user -> its requests received here (all time)
         self._task: asyncio.Task | None = None
+        if counters is not None:  # a replacement or late replica: the others' service now, not 0 until a sync
+            try:
+                self.policy.set_offsets(ray.get(counters.others.remote(self.replica_id), timeout=5.0))
+            except Exception:  # noqa: BLE001 - the actor unreachable: offsets 0 until the first sync
+                pass
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -143,20 +156,39 @@ class EngineReplica:
             self._task = loop.create_task(self._sync_forever())
 
     async def _sync_forever(self) -> None:
-        """Every ``period_s``: take the deltas on the engine thread, sync with the actor, set the
-        offsets on the engine thread. Deltas a failed call did not deliver are sent next time."""
+        """At once (the engine's start), then every ``period_s``: take the deltas on the engine
+        thread, sync with the actor, set the offsets on the engine thread. Deltas a failed call did
+        not deliver are sent next time."""
+        first = True
+        failing = 0  # consecutive failed syncs: logged once per streak
         while self.counters is not None:
-            await asyncio.sleep(self.period_s)
-            deltas, state = await self.engine.call(self._take)
-            for u, d in deltas.items():
-                self._unsent[u] = self._unsent.get(u, 0) + d
+            if not first:
+                await asyncio.sleep(self.period_s)
+            first = False
             try:
-                others = await self.counters.sync.remote(self.replica_id, self._unsent, state)
-            except Exception:  # noqa: BLE001 - the actor restarting: keep the deltas, try again
+                await self._sync_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the actor dead or unreachable, the engine erring: retry
+                if not failing:
+                    log.warning("replica %s: counter sync failed (%r); sharing paused (offsets frozen, deltas "
+                                "kept), retrying every %s s", self.replica_id, e, self.period_s)
+                failing += 1
                 continue
-            self._unsent = {}
-            self.syncs += 1
-            await self.engine.call(lambda o=others: self.policy.set_offsets(o))
+            if failing:
+                log.warning("replica %s: counter sync back after %d failed tries", self.replica_id, failing)
+                failing = 0
+
+    async def _sync_once(self) -> None:
+        """One sync; raises what the engine call or the actor call raised. Deltas taken but not
+        delivered stay in ``_unsent`` (sent with the next sync)."""
+        deltas, state = await self.engine.call(self._take)
+        for u, d in deltas.items():
+            self._unsent[u] = self._unsent.get(u, 0) + d
+        others = await self.counters.sync.remote(self.replica_id, self._unsent, state)
+        self._unsent = {}
+        self.syncs += 1
+        await self.engine.call(lambda o=others: self.policy.set_offsets(o))
 
     def _take(self) -> tuple[dict[str, int], dict]:
         """On the engine thread: the deltas, and the state the store may measure the gap from."""
@@ -304,7 +336,8 @@ def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: f
     """Start the counters actor and ``replicas`` engine replicas on the running Ray instance.
 
     ``observe_gap``: the actor measures the counter gap and the bound's terms at every sync
-    (``GapObserver``, staleness ``2 * period_s + 0.05`` s; read with ``counters.gap_stats``).
+    (``GapObserver``, window ``2 * period_s + 0.05`` s, which leaves the ticks out of the staleness:
+    the measured ``D`` is an underestimate, docs/scale-out.md section 1; read with ``counters.gap_stats``).
 
     Returns:
         ``(deployment handle, counters actor or None)``.

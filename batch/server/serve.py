@@ -148,20 +148,32 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "finite number > 0"
 
 
+#: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
+#: when set to anything but their default (rather than silently ignored).
+_NOT_WITH_REPLICAS = ("eos_probability", "max_running", "max_waiting", "max_body_bytes", "served_model_name",
+                      "trust_user_field")
+
+
 def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """``--replicas N`` with N > 1: Ray Serve (``batch.scaleout.ray_serve.serve_http``)."""
     if a.model or a.backend == "model" or a.policy != "vtc":
         p.error("--replicas N > 1 serves the simulated GPU with the VTC policy only")
+    unsupported = [f"--{k.replace('_', '-')}" for k in _NOT_WITH_REPLICAS if getattr(a, k) != p.get_default(k)]
+    if unsupported:
+        p.error(f"--replicas N > 1 does not support {', '.join(unsupported)} (docs/scale-out.md, section 4)")
+    try:
+        users = load_config(a.config)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        p.error(str(e))
+    if users.api_keys:
+        p.error("--replicas N > 1 does not support the config's api_keys (fairness by API key): the replicas "
+                "take the body's 'user' field (docs/scale-out.md, section 4)")
     try:
         from batch.scaleout.ray_serve import serve_http  # noqa: PLC0415 - the optional 'scaleout' extra
     except ImportError as e:
         print(f"batch serve --replicas needs the 'scaleout' extra (pip install -e '.[scaleout]'): {e}",
               file=sys.stderr)
         return 2
-    try:
-        users = load_config(a.config)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        p.error(str(e))
     print(f"batch serve: {a.replicas} replicas on Ray Serve (sim, time scale {a.time_scale}, counters synced every "
           f"{a.counter_period} s) on http://{a.host}:{a.port}/v1/completions", file=sys.stderr)
     serve_http(a.replicas, host=a.host, port=a.port, time_scale=a.time_scale, seed=a.seed,
