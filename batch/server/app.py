@@ -166,6 +166,22 @@ class ChatBody(_Body):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
+async def _body(model: Any, request: Request, max_body_bytes: int, srv: Any) -> Any:
+    """The request's body as ``model`` (``CompletionBody`` or ``ChatBody``), checked: valid JSON
+    within ``max_body_bytes``, the model's fields, no unsupported option, the served model.
+
+    Raises:
+        ApiError: the OpenAI-style error for whichever check failed (400, 404 or 413).
+    """
+    try:
+        body = model.model_validate(await _json(request, max_body_bytes))
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    body.check_supported()
+    srv.check_model(body.model)
+    return body
+
+
 def _validation_error(e: ValidationError) -> ApiError:
     """The first validation error as a 400 naming the top-level field (``param``)."""
     err = e.errors()[0]
@@ -417,12 +433,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         """OpenAI's completions: a ``text_completion`` object, or its chunks as server-sent events."""
-        try:
-            body = CompletionBody.model_validate(await _json(request, cfg.max_body_bytes))
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        body.check_supported()
-        srv.check_model(body.model)
+        body = await _body(CompletionBody, request, cfg.max_body_bytes, srv)
         ids = await srv.prompt_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
         sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", bool(body.stream))
@@ -431,12 +442,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         """OpenAI's chat completions: a ``chat.completion`` object, or ``chat.completion.chunk`` events."""
-        try:
-            body = ChatBody.model_validate(await _json(request, cfg.max_body_bytes))
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        body.check_supported()
-        srv.check_model(body.model)
+        body = await _body(ChatBody, request, cfg.max_body_bytes, srv)
         msgs = [{"role": _check_text(m.role, "messages"), "content": _check_text(_text_of(m), "messages")}
                 for m in body.messages]
         ids = await srv.tokenize(messages=msgs)
