@@ -12,6 +12,12 @@ For each replica count it runs two workloads (docs/scale-out.md has the table th
   ``T = 0`` (the default tolerance) and ``D`` the most service one user was granted on all
   replicas within one sync period (measured). The same run with no sharing (``period None``) shows
   what the shared counters buy; ``--flood`` adds the flooding-user case where they matter.
+* **returning** (``--returning B``): three of those users backlogged from t = 0 (``--overload``
+  requests each per replica) while the fourth (``mixed``) sends ``B`` bursts of 6 requests per
+  replica, one every ``--returning-gap`` seconds from 0.5 s: it drains between bursts and comes
+  back behind, so it is lifted (and so are the others, on replicas where they drain first). The
+  same gap and bound as the overload, with ``D`` the most a user's global counter rose in one
+  period, lifts included; ``lifts`` is the users' lift levels in the store at the end.
 * **stream**: ``request_gen.stream`` at 60 requests/s per replica (``stream-saturating``, about
   2.2x one replica's capacity), ``--stream`` requests per replica: throughput against R times one
   replica's, and the router's balance (max/min output tokens and requests routed per replica).
@@ -58,6 +64,17 @@ def flood(seed: int, replicas: int, n_flood: int, n_each: int) -> list[Request]:
     return out
 
 
+def returning(seed: int, per_user: int, bursts: int, burst: int, gap_s: float) -> list[Request]:
+    """Three ``OVERLOAD_USERS`` with ``per_user`` requests each at t = 0; the fourth, ``mixed``,
+    ``bursts`` bursts of ``burst`` requests at 0.5 s, 0.5 + ``gap_s``, ... (it returns, lifted)."""
+    rng = random.Random(seed)
+    users = list(OVERLOAD_USERS.items())
+    out = [_req(rng, u, i, 0.0, p, m) for i in range(per_user) for u, (p, m) in users[:3]]
+    u, (p, m) = users[3]
+    out += [_req(rng, u, b * burst + i, 0.5 + b * gap_s, p, m) for b in range(bursts) for i in range(burst)]
+    return out
+
+
 def gap_bound_tokens(res: ClusterResult) -> tuple[float, float]:
     """(the derived bound, weighted tokens, for the two users with the largest ``N_u``; the
     resident part ``U_p + U_q`` alone). ``L_input``/``M``: the overload's largest prompt and output."""
@@ -76,6 +93,18 @@ def run_overload(replicas: int, period: float | None, per_user: int, seed: int) 
             "interval_gap": res.gap_tokens,
             "period_service_D": res.max_period_service_tokens, "resident_part": resident, "bound": bound,
             "max_resident": max(res.max_resident.values()), "wall_s": time.perf_counter() - t0}
+
+
+def run_returning(replicas: int, period: float, per_user: int, bursts: int, gap_s: float, seed: int) -> dict:
+    t0 = time.perf_counter()
+    cl = LocalCluster(replicas, period_s=period, seed=seed)
+    res = cl.run(returning(seed, per_user * replicas, bursts, 6 * replicas, gap_s))
+    bound, resident = gap_bound_tokens(res)
+    return {"replicas": replicas, "period_s": period, "requests": len(res.finished),
+            "counter_gap": res.counter_gap_tokens, "counter_gap_any": res.counter_gap_any_tokens,
+            "period_service_D": res.max_period_service_tokens, "resident_part": resident, "bound": bound,
+            "lifts": {u: v / fr.COUNTER_SCALE for u, v in sorted(cl.store.lifts().items())},
+            "wall_s": time.perf_counter() - t0}
 
 
 def run_flood(replicas: int, period: float | None, seed: int, n_flood: int, n_each: int) -> dict:
@@ -115,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replicas", default="1,2,8,16,32,64", help="comma-separated replica counts")
     ap.add_argument("--period", type=float, default=0.05, help="counter sync period, simulated seconds")
     ap.add_argument("--overload", type=int, default=25, help="overload requests per user per replica")
+    ap.add_argument("--returning", type=int, default=0,
+                    help="returning case: bursts of the returning user (0: skip); the others send --overload each")
+    ap.add_argument("--returning-gap", type=float, default=1.0, help="returning case: seconds between bursts")
     ap.add_argument("--stream", type=int, default=150, help="stream requests per replica")
     ap.add_argument("--flood", type=int, default=0,
                     help="flood case: the flooder's requests per replica (0: skip); 40 requests of each other user")
@@ -127,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.replicas.split(",")]
-    out: dict[str, list] = {"overload": [], "stream": [], "flood": []}
+    out: dict[str, list] = {"overload": [], "stream": [], "flood": [], "returning": []}
     periods = [None if x == "none" else float(x) for x in (a.flood_periods or f"{a.period},none").split(",")]
     for r in counts:
         if not a.flood_only:
@@ -135,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.no_share:
                 out["overload"].append(run_overload(r, None, a.overload, a.seed))
             out["stream"].append(run_stream(r, a.period, a.stream, a.seed))
+        if a.returning:
+            out["returning"].append(run_returning(r, a.period, a.overload, a.returning, a.returning_gap, a.seed))
         if a.flood:
             for period in periods:
                 out["flood"].append(run_flood(r, period, a.seed, a.flood, a.light))
@@ -145,6 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not a.flood_only:
         print_main(a, out)
+    if out["returning"]:
+        print(f"\nReturning user: 3 users x {a.overload} requests per replica at t=0, 'mixed' {a.returning} bursts of "
+              f"6 per replica every {a.returning_gap} s from 0.5 s; sync period {a.period} s; D includes lifts")
+        print(f"{'replicas':>8} {'counter gap':>11} {'bound':>9} {'gap/bound':>9} {'D (1 period)':>12} {'U_p+U_q':>9} "
+              f"{'gap, any':>9}  lift levels (tokens)")
+        for o in out["returning"]:
+            lifts = ", ".join(f"{u} {v:,.0f}" for u, v in o["lifts"].items()) or "none"
+            print(f"{o['replicas']:>8} {o['counter_gap']:>11,.0f} {o['bound']:>9,.0f} {o['counter_gap'] / o['bound']:>9.3f} "
+                  f"{o['period_service_D']:>12,.0f} {o['resident_part']:>9,.0f} {o['counter_gap_any']:>9,.0f}  {lifts}")
     if out["flood"]:
         print(f"\nFlood: A sends {a.flood} requests per replica, light user Lk {a.light} requests pinned to replica k, "
               f"all at t=0; A's share of each replica's service while all are backlogged (fair: 1/(R+1) of each)")

@@ -87,7 +87,61 @@ def test_a_returning_user_is_lifted_on_the_global_counters():
     pol.sync(store)
     s.submit(req("B", 0))
     assert pol.counter("B") == pol.counter("A") - 1
-    assert pol.offset("B") == 0  # the lift is stored in B's own part
+    assert pol.offset("B") == 0  # the others' service to B: none; the lift is B's lift level
+    assert pol.lift_level("B") == pol.counter("B") and pol.take_lifts() == {"B": pol.counter("B")}
+
+
+def lifted_pair() -> tuple[GlobalCounters, list[tuple[GlobalVTCPolicy, Scheduler]]]:
+    """The store and two replicas (policy, scheduler) that both see A backlogged 500 tokens
+    ahead, published by r2."""
+    store = GlobalCounters()
+    store.publish("r2", {"A": 500 * SCALE})
+    reps = []
+    for rid in ("r0", "r1"):
+        pol = GlobalVTCPolicy(replica_id=rid)
+        s = sim_scheduler(pol)
+        s.submit(req("A", 0))
+        pol.sync(store)
+        reps.append((pol, s))
+    return store, reps
+
+
+def test_a_lift_on_one_replica_reaches_the_others_at_the_next_sync():
+    store, [(r0, s0), (r1, s1)] = lifted_pair()
+    s0.submit(req("B", 0))  # B returns on r0 only: lifted there
+    lifted = r0.counter("B")
+    assert lifted == 500 * SCALE - 1 and r1.counter("B") == 0
+    r0.sync(store)
+    r1.sync(store)
+    # one global counter: r1 sees the lift r0 made, and so does the store
+    assert r1.counter("B") == lifted and store.counters()["B"] == lifted
+    # B's next arrival on r1 finds it already at the band's floor: no second lift
+    s1.submit(req("B", 1))
+    assert r1.counter("B") == lifted and r1.take_lifts() == {}
+
+
+def test_two_replicas_lifting_one_user_at_once_lift_it_once():
+    store, [(r0, s0), (r1, s1)] = lifted_pair()
+    s0.submit(req("B", 0))
+    s1.submit(req("B", 1))  # both lift B before either syncs
+    level = r0.counter("B")
+    assert r1.counter("B") == level
+    for pol in (r0, r1, r0, r1):
+        pol.sync(store)
+    # a max-register, not a sum: B's counter is the level once on both replicas and in the store
+    assert r0.counter("B") == r1.counter("B") == store.counters()["B"] == level
+
+
+def test_the_store_refuses_a_bad_lift_level_and_changes_nothing():
+    store = GlobalCounters()
+    with pytest.raises(ValueError, match="lift level of user 'B'"):
+        store.sync("r0", {"A": 5}, lifts={"B": -1})
+    with pytest.raises(ValueError, match="lift level of user 'B'"):
+        store.publish("r0", {"A": 5}, {"B": 1.5})
+    assert store.totals() == {} and store.lifts() == {} and store.syncs == 0
+    store.publish("r0", {}, {"B": 9})
+    store.publish("r1", {}, {"B": 4})  # a lower level is kept out: the level never goes back
+    assert store.lifts() == {"B": 9} and store.reply("r0").lifts == {"B": 9}
 
 
 def test_deltas_are_the_weighted_service_since_the_last_sync():
@@ -102,7 +156,7 @@ def test_deltas_are_the_weighted_service_since_the_last_sync():
 def test_the_store_sums_the_other_replicas_and_never_goes_back():
     store = GlobalCounters()
     store.publish("r0", {"A": 5, "B": 1})
-    assert store.sync("r1", {"A": 7}) == {"A": 5, "B": 1}
+    assert store.sync("r1", {"A": 7}).service == {"A": 5, "B": 1}
     assert store.others("r0") == {"A": 7, "B": 0}
     assert store.totals() == {"A": 12, "B": 1}
     with pytest.raises(ValueError, match="user 'A'"):
@@ -111,6 +165,56 @@ def test_the_store_sums_the_other_replicas_and_never_goes_back():
     pol.set_offsets({"A": 9})
     pol.set_offsets({"A": 4})  # a smaller reading is ignored: counters stay monotone
     assert pol.offset("A") == 9
+
+
+def staggered(seed: int) -> list[Request]:
+    """A floods at t = 0; B and C send one request each 0.25 s for 12 s: they go idle and return,
+    so they are lifted, on whichever replica they land."""
+    rng = random.Random(seed)
+    reqs = workload(seed, {"A": 120})
+    for u in ("B", "C"):
+        for i in range(48):
+            reqs.append(Request(user_id=u, prompt=[rng.randint(1, 63) for _ in range(rng.randint(5, 120))],
+                                max_tokens=rng.randint(5, 40), request_id=f"{u}{i}",
+                                submitted_at=0.25 * i + rng.random() * 0.1))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_replica_view_is_the_global_counter_at_a_sync_and_never_above_it(seed):
+    # The sandwich of docs/scale-out.md section 2 on the code: after each (lockstep) sync every
+    # replica's view of every user is its global counter c_u = service + lift level; between
+    # syncs it is at most c_u and short of it by at most c_u's rise since that sync (D).
+    cl = LocalCluster(2, period_s=0.05, seed=seed, weights={"B": 3})
+    at_sync: dict[str, float] = {}
+    checks = [0, 0]
+    sync_all = cl.sync_all
+
+    def sync_and_check() -> None:
+        sync_all()
+        c = cl.counter_tokens()
+        for rep in cl.live():
+            for u, cu in c.items():
+                assert rep.policy.counter(u) / SCALE == pytest.approx(cu, abs=1e-9), (rep.replica_id, u)
+        at_sync.clear()
+        at_sync.update(c)
+        checks[0] += 1
+
+    def on_tick(rep, done) -> None:
+        c = cl.counter_tokens()
+        for r in cl.live():
+            for u, cu in c.items():
+                v = r.policy.counter(u) / SCALE
+                assert v <= cu + 1e-9, (r.replica_id, u, v, cu)
+                assert cu - v <= cu - at_sync.get(u, 0.0) + 1e-9, (r.replica_id, u)
+        checks[1] += 1
+
+    cl.sync_all = sync_and_check
+    res = cl.run(staggered(seed), on_tick=on_tick)
+    assert len(res.finished) == 120 + 96 and not res.refused
+    assert checks[0] > 50 and checks[1] > 500
+    levels = cl.store.lifts()
+    assert levels.get("B", 0) > 0 and levels.get("C", 0) > 0  # the run did lift the returning users
 
 
 def test_replica_id_must_be_a_name():
@@ -300,6 +404,19 @@ def test_the_cross_replica_counter_gap_stays_within_the_derived_bound(replicas):
     assert row["requests"] == 120 * replicas
     assert 0 < row["counter_gap"] <= row["bound"]
     assert row["bound"] == row["resident_part"] + row["period_service_D"]
+
+
+def test_the_counter_gap_stays_within_the_bound_when_users_return_and_are_lifted():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import scaleout_sim
+
+    row = scaleout_sim.run_returning(2, 0.05, 40, bursts=4, gap_s=1.0, seed=1)
+    assert row["requests"] == 3 * 80 + 4 * 12
+    assert row["lifts"].get("mixed", 0) > 0  # the returning user was lifted (and published)
+    assert 0 < row["counter_gap"] <= row["bound"]
 
 
 @pytest.mark.parametrize("args, message", [

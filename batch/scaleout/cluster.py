@@ -5,7 +5,7 @@
 each has its own clock; a discrete-event loop always runs the event that comes first: a kill, a
 counter sync, an arrival, or the tick of the replica whose clock is earliest). The router
 (``Router``) places each arrival; every ``period_s`` of simulated time all live replicas publish
-their service to one ``GlobalCounters`` and then all read the others' totals (lockstep, so the
+their service and lift levels to one ``GlobalCounters`` and then all read the others' (lockstep, so the
 staleness is ``S = period_s``); ``period_s = 0`` syncs a replica before each of its ticks
 (staleness: the other replicas' iterations in progress).
 
@@ -130,15 +130,15 @@ class ClusterResult:
         first_arrival_s, last_completion_s: the run's span on the virtual clocks, seconds.
         gap_tokens: the largest service gap between two users over intervals in which both are
             backlogged on every live replica (``GapMeter``), weighted tokens.
-        counter_gap_tokens: the largest difference of total service (all replicas) between two
-            users backlogged on every live replica at the same sample, weighted tokens: the global
-            counter gap when every user is backlogged from the start (counters start equal and no
-            lift happens). Being backlogged where the other is served is the derived bound's premise.
+        counter_gap_tokens: the largest difference of global counter (``LocalCluster.counter_tokens``:
+            service on all replicas plus lift level) between two users backlogged on every live
+            replica at the same sample, weighted tokens. Being backlogged where the other is
+            served is the derived bound's premise.
         counter_gap_any_tokens: the same between users waiting on *some* replica: not bounded (a
             user whose backlog is left on one replica cannot be served on the others).
-        max_period_service_tokens: the most service any user was granted, across all replicas,
-            within one sync period (between two sync instants), weighted tokens: the measured
-            ``D`` of docs/scale-out.md. With ``period_s = 0`` (staleness: one iteration) it is taken
+        max_period_service_tokens: the most any user's global counter rose (service on all
+            replicas, and lifts), within one sync period (between two sync instants), weighted
+            tokens: the measured ``D`` of docs/scale-out.md. With ``period_s = 0`` (staleness: one iteration) it is taken
             between two samples instead, an upper bound; 0 when never synced.
         max_resident: user -> the most requests it held resident across all replicas after any tick.
         routed: replica id -> requests the router sent there (retries included).
@@ -291,12 +291,13 @@ class LocalCluster:
     # ---------------------------------------------------------------- counters
 
     def sync_all(self) -> None:
-        """Lockstep sync: every live replica publishes its deltas, then every one reads the others'."""
+        """Lockstep sync: every live replica publishes its deltas and lift levels, then every one
+        reads the others' service and the lift levels."""
         live = self.live()
         for r in live:
-            self.store.publish(r.replica_id, r.policy.take_deltas())
+            self.store.publish(r.replica_id, r.policy.take_deltas(), r.policy.take_lifts())
         for r in live:
-            r.policy.set_offsets(self.store.others(r.replica_id))
+            r.policy.take_reply(self.store.reply(r.replica_id))
         self.store.syncs += len(live)
 
     def service_tokens(self) -> dict[str, float]:
@@ -305,6 +306,19 @@ class LocalCluster:
         for rep in self.replicas.values():
             for u in set(rep.policy.service_units) | set(rep.policy._unpublished):  # noqa: SLF001
                 out[u] = out.get(u, 0.0) + rep.granted_tokens(u)
+        return out
+
+    def counter_tokens(self) -> dict[str, float]:
+        """user -> its true global counter ``c_u = S_u + L_u``, weighted tokens: the service of all
+        replicas (``service_tokens``) plus the highest lift level any replica holds, published or not
+        (docs/scale-out.md, section 2)."""
+        out = self.service_tokens()
+        levels: dict[str, int] = {}
+        for rep in self.replicas.values():
+            for u, level in rep.policy._lift_level.items():  # noqa: SLF001
+                levels[u] = max(levels.get(u, 0), level)
+        for u, level in levels.items():
+            out[u] = out.get(u, 0.0) + level / fr.COUNTER_SCALE
         return out
 
     # ---------------------------------------------------------------- the event loop
@@ -338,7 +352,7 @@ class LocalCluster:
         first = arrivals[0].submitted_at if arrivals else 0.0
         meter = GapMeter()
         users = sorted({r.user_id for r in requests})
-        prev_service: dict[str, float] = {}
+        prev_counter: dict[str, float] = {}  # counter_tokens() at the last sync (or sample)
         max_period = 0.0
         max_resident: dict[str, int] = {}
         share = {rid: {u: 0.0 for u in users} for rid in self.replicas}
@@ -358,16 +372,17 @@ class LocalCluster:
             t = min(t_tick, t_arr, t_kill)
             if next_sample <= t:  # meters first: they see the state at the sample instant
                 svc = self.service_tokens()
+                ctr = self.counter_tokens()
                 if period == 0:  # D over a sample interval (longer than the staleness: an upper bound)
-                    max_period = max([max_period] + [svc[u] - prev_service.get(u, 0.0) for u in svc])
-                    prev_service = svc
+                    max_period = max([max_period] + [ctr[u] - prev_counter.get(u, 0.0) for u in ctr])
+                    prev_counter = ctr
                 per_replica = [r.backlogged_users() for r in self.live()]
                 backlogged = set().union(*per_replica) if per_replica else set()
                 everywhere = set.intersection(*per_replica) if per_replica else set()
                 meter.sample(svc, everywhere)
                 for group, attr in ((everywhere, 0), (backlogged, 1)):
                     if len(group) >= 2:
-                        vals = [svc.get(u, 0.0) for u in group]
+                        vals = [ctr.get(u, 0.0) for u in group]
                         counter_gap[attr] = max(counter_gap[attr], max(vals) - min(vals))
                 all_backlogged = bool(users) and all(u in backlogged for u in users)
                 for rid, rep in self.replicas.items():
@@ -379,10 +394,10 @@ class LocalCluster:
                 next_sample += self.sample_s
                 continue
             if next_sync <= t:
-                svc = self.service_tokens()
-                if prev_service or svc:
-                    max_period = max([max_period] + [svc[u] - prev_service.get(u, 0.0) for u in svc])
-                prev_service = svc
+                ctr = self.counter_tokens()
+                if prev_counter or ctr:
+                    max_period = max([max_period] + [ctr[u] - prev_counter.get(u, 0.0) for u in ctr])
+                prev_counter = ctr
                 self.sync_all()
                 next_sync += period
                 continue

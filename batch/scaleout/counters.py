@@ -2,10 +2,18 @@
 
 Each replica runs its own ``Scheduler`` with a ``GlobalVTCPolicy``: VTC whose counter for a user
 is the replica's own counter (its local service and lifts) plus the service the *other* replicas
-granted that user, as last read from a ``GlobalCounters`` store. Every ``period_s`` a replica
-calls ``GlobalVTCPolicy.sync(store)``: it publishes the service it granted since its last sync
-(deltas, counter units) and reads back the others' totals in the same call (one round trip; the
-Ray deployment holds the store in one actor, ``batch.scaleout.ray_serve``).
+granted that user, as last read from a ``GlobalCounters`` store, plus the lifts the others made.
+Every ``period_s`` a replica calls ``GlobalVTCPolicy.sync(store)``: it publishes the service it
+granted since its last sync (deltas, counter units) and its users' lift levels, and reads back the
+others' service totals and the global lift levels in the same call (one round trip; the Ray
+deployment holds the store in one actor, ``batch.scaleout.ray_serve``).
+
+A user's global counter is ``c_u = S_u + L_u``: ``S_u`` its service on all replicas (summed),
+``L_u`` its lift level, the most any replica lifted it (a max-register, not a sum: two replicas
+lifting the same returning user at once, each unaware of the other, lift it once). On one replica
+this is VTC's counter exactly (its lifts add up to the level). Every replica's view stays at or
+below ``c_u`` (``docs/scale-out.md`` section 2 needs it: a lift kept on one replica would put that
+replica's view above the counter the others see).
 
 Staleness: a replica's view of another's service lags by at most ``S`` seconds, where ``S = P``
 when all replicas sync at the same instants (the virtual-clock simulation) and, on Ray, where they
@@ -20,44 +28,75 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from batch.policies.vtc import VTCPolicy
 from spec import fairness_rules as fr
 
-__all__ = ["GlobalCounters", "GlobalVTCPolicy", "GapObserver"]
+__all__ = ["GlobalCounters", "GlobalVTCPolicy", "GapObserver", "SyncReply"]
+
+
+class SyncReply(NamedTuple):
+    """What a replica reads back at a sync (counter units).
+
+    Attributes:
+        service: user -> service published by every replica but the caller.
+        lifts: user -> lift level (the most any replica lifted the user; absent: 0).
+    """
+
+    service: dict[str, int]
+    lifts: dict[str, int]
+
+
+def _check_units(what: str, values: Mapping[str, int]) -> None:
+    for user, d in values.items():
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"{what} of user {user!r} must be an int >= 0 counter units, got {d!r}")
 
 
 class GlobalCounters:
-    """The shared store: each replica's published service per user, in counter units.
+    """The shared store: each replica's published service per user, and each user's lift level.
 
     Counter units are ``spec.fairness_rules.COUNTER_SCALE`` per weighted token (a charge already
     divided by the user's weight). Totals only grow: the service of a replica that died stays
-    counted. Thread-safe (one lock); as a Ray actor its methods run one at a time anyway.
+    counted. A lift level is a max-register: a publish keeps the larger of the stored and the new
+    level. Thread-safe (one lock); as a Ray actor its methods run one at a time anyway.
     """
 
     def __init__(self) -> None:
         self._by_replica: dict[str, dict[str, int]] = {}
         self._total: dict[str, int] = {}
+        self._lift: dict[str, int] = {}
         self._lock = threading.Lock()
         self.syncs = 0
         self.observer: GapObserver | None = None
 
-    def publish(self, replica_id: str, deltas: Mapping[str, int]) -> None:
-        """Add ``deltas`` (user -> counter units >= 0) to ``replica_id``'s published service.
+    def publish(self, replica_id: str, deltas: Mapping[str, int], lifts: Mapping[str, int] | None = None) -> None:
+        """Add ``deltas`` (user -> counter units >= 0) to ``replica_id``'s published service, and
+        raise each user's lift level to ``lifts[user]`` (counter units >= 0) where that is higher.
 
         Raises:
-            ValueError: a delta is not an int >= 0 (counters never go back).
+            ValueError: a delta or a lift level is not an int >= 0 (nothing is changed then).
         """
-        for user, d in deltas.items():
-            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise ValueError(f"delta of user {user!r} must be an int >= 0 counter units, got {d!r}")
+        _check_units("delta", deltas)
+        _check_units("lift level", lifts or {})
         with self._lock:
-            own = self._by_replica.setdefault(replica_id, {})
-            for user, d in deltas.items():
-                if d:
-                    own[user] = own.get(user, 0) + d
-                    self._total[user] = self._total.get(user, 0) + d
+            self._publish(replica_id, deltas, lifts or {})
+
+    def _publish(self, replica_id: str, deltas: Mapping[str, int], lifts: Mapping[str, int]) -> dict[str, int]:
+        """Under the lock; returns the rise of each lift level it raised."""
+        own = self._by_replica.setdefault(replica_id, {})
+        for user, d in deltas.items():
+            if d:
+                own[user] = own.get(user, 0) + d
+                self._total[user] = self._total.get(user, 0) + d
+        rose = {}
+        for user, level in lifts.items():
+            old = self._lift.get(user, 0)
+            if level > old:
+                self._lift[user] = level
+                rose[user] = level - old
+        return rose
 
     def others(self, replica_id: str) -> dict[str, int]:
         """user -> counter units published by every replica but ``replica_id`` (O(users))."""
@@ -65,18 +104,38 @@ class GlobalCounters:
             own = self._by_replica.get(replica_id, {})
             return {u: t - own.get(u, 0) for u, t in self._total.items()}
 
-    def sync(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any] | None = None) -> dict[str, int]:
-        """``publish(replica_id, deltas)`` then ``others(replica_id)``: one round trip.
+    def lifts(self) -> dict[str, int]:
+        """user -> lift level, counter units (users never lifted are absent)."""
+        with self._lock:
+            return dict(self._lift)
+
+    def reply(self, replica_id: str) -> SyncReply:
+        """``SyncReply(others(replica_id), lifts())``: what a replica reads (also at its start)."""
+        with self._lock:
+            own = self._by_replica.get(replica_id, {})
+            return SyncReply({u: t - own.get(u, 0) for u, t in self._total.items()}, dict(self._lift))
+
+    def sync(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any] | None = None,
+             lifts: Mapping[str, int] | None = None) -> SyncReply:
+        """``publish(replica_id, deltas, lifts)`` then ``reply(replica_id)``: one round trip.
 
         ``state`` (optional, for measurement): the replica's ``{"waiting": [users], "resident":
         {user: requests}}`` at this sync, handed to ``observer`` (a ``GapObserver``) if one is set.
+
+        Raises:
+            ValueError: as ``publish`` (nothing is changed then).
         """
-        self.publish(replica_id, deltas)
-        self.syncs += 1
-        if self.observer is not None and state is not None:
-            with self._lock:
-                self.observer.observe(replica_id, deltas, state, self._total)
-        return self.others(replica_id)
+        _check_units("delta", deltas)
+        _check_units("lift level", lifts or {})
+        with self._lock:
+            rose = self._publish(replica_id, deltas, lifts or {})
+            self.syncs += 1
+            if self.observer is not None and state is not None:
+                rises = dict(deltas)
+                for u, r in rose.items():
+                    rises[u] = rises.get(u, 0) + r
+                self.observer.observe(replica_id, rises, state, self._counters_locked())
+        return self.reply(replica_id)
 
     def observe_gap(self, staleness_s: float) -> None:
         """Start measuring the counter gap and its bound's terms at each sync (``GapObserver``)."""
@@ -87,9 +146,20 @@ class GlobalCounters:
         return None if self.observer is None else self.observer.stats()
 
     def totals(self) -> dict[str, int]:
-        """user -> counter units published by all replicas."""
+        """user -> service (counter units) published by all replicas."""
         with self._lock:
             return dict(self._total)
+
+    def counters(self) -> dict[str, int]:
+        """user -> published global counter ``S_u + L_u`` (service plus lift level), counter units."""
+        with self._lock:
+            return self._counters_locked()
+
+    def _counters_locked(self) -> dict[str, int]:
+        out = dict(self._total)
+        for u, level in self._lift.items():
+            out[u] = out.get(u, 0) + level
+        return out
 
     def by_replica(self) -> dict[str, dict[str, int]]:
         """replica id -> user -> counter units it published (a copy)."""
@@ -100,12 +170,13 @@ class GlobalCounters:
 class GapObserver:
     """Measures, at each sync the store receives, what ``docs/scale-out.md``'s bound is about.
 
-    From the replicas' published totals (each as of its own last sync) and their reported states:
-    the largest difference of total service between two users waiting on every replica that has
-    reported (``max_gap_tokens``, weighted tokens); the most requests one user held resident on all
-    replicas (``max_resident``, summing each replica's last report); and the most service one user
-    was published for within ``staleness_s`` seconds (``max_window_tokens``: the measured ``D``).
-    The totals lag by up to one period per replica, so the gap is measured to within ``D``.
+    From the replicas' published counters (service plus lift level, each replica's part as of its
+    own last sync) and their reported states: the largest difference of global counter between two
+    users waiting on every replica that has reported (``max_gap_tokens``, weighted tokens); the most
+    requests one user held resident on all replicas (``max_resident``, summing each replica's last
+    report); and the most one user's published counter rose (service and lift) within
+    ``staleness_s`` seconds (``max_window_tokens``: the measured ``D``). The counters lag by up to
+    one period per replica, so the gap is measured to within ``D``.
 
     Args:
         staleness_s: the window for ``D``, seconds (S: ``2 * (period_s + tick + round trip) + tick`` on Ray).
@@ -125,7 +196,8 @@ class GapObserver:
 
     def observe(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any],
                 totals: Mapping[str, int]) -> None:
-        """Take one replica's sync (its deltas, its state) against the store's totals."""
+        """Take one replica's sync: ``deltas`` (user -> rise of the published counter, counter
+        units: its service plus any lift-level rise), its ``state``, the store's counters ``totals``."""
         now = self.clock()
         for user, d in deltas.items():
             if d:
@@ -157,17 +229,21 @@ class GapObserver:
 
 
 class GlobalVTCPolicy(VTCPolicy):
-    """``VTCPolicy`` whose counters add the other replicas' service as last synced.
+    """``VTCPolicy`` whose counters are the replica's view of the global counters.
 
-    ``counter(user)`` is the replica's own VTC counter plus ``offset(user)``, the service the
-    other replicas published for ``user`` (counter units) at the last ``sync``. Offsets only grow
-    (published service never goes back), so counters stay monotone and the policy's lazy heap
-    (stored keys never above the true ones) stays valid between syncs. The lift of a returning
-    user (``lifted_counter``) is taken on the sum and stored in the own part. With no sync ever
-    run it is exactly ``VTCPolicy``: one replica needs nothing shared.
+    ``counter(user)`` is the replica's own VTC counter (its service and the lifts it made) plus
+    ``offset(user)``, the service the other replicas published for ``user`` at the last ``sync``,
+    plus what brings the user's lift up to the global lift level read at that sync. So the view is
+    ``own service + others' service as last read + lift level as known here``, never above the
+    global counter ``c_u = S_u + L_u`` (module doc). A lift (``VTCPolicy``'s lift of a returning
+    user, taken on the view) raises this replica's lift level for the user by the lift, and the
+    level is published at the next sync. Views only grow (published service never goes back, a
+    lift level is a max), so counters stay monotone and the policy's lazy heap (stored keys never
+    above the true ones) stays valid between syncs. With no sync ever run it is exactly
+    ``VTCPolicy``: one replica needs nothing shared.
 
-    Departs from single-replica VTC on purpose: between syncs the other replicas' service is
-    unseen, so a user can run ahead on the global counters by what it was granted elsewhere in
+    Departs from single-replica VTC on purpose: between syncs the other replicas' service and lifts
+    are unseen, so a user can run ahead on the global counters by what it was granted elsewhere in
     one staleness period (``docs/scale-out.md``, section 2).
 
     Args:
@@ -185,16 +261,31 @@ class GlobalVTCPolicy(VTCPolicy):
         super().__init__(**kwargs)
         self.replica_id = replica_id
         self._offset: dict[str, int] = {}  # user -> others' service, counter units, as last synced
+        self._add: dict[str, int] = {}  # user -> what the view adds to the own counter: offset + lift catch-up
+        self._lift_level: dict[str, int] = {}  # user -> its lift level as known here, counter units
+        self._lift_changed: set[str] = set()  # users whose level rose here since the last take_lifts
         self._unpublished: dict[str, list[int]] = {}  # user -> [prompt, output] tokens since the last sync
         self.service_units: dict[str, int] = {}  # user -> service this replica granted, counter units
 
     def counter(self, user: str) -> int:
-        """The user's counter on the global view, counter units: own counter + ``offset(user)``."""
-        return super().counter(user) + self._offset.get(user, 0)
+        """The user's counter on the global view, counter units (class doc)."""
+        return super().counter(user) + self._add.get(user, 0)
 
     def offset(self, user: str) -> int:
         """The other replicas' service to ``user`` as last synced, counter units (0 if none)."""
         return self._offset.get(user, 0)
+
+    def lift_level(self, user: str) -> int:
+        """The user's lift level as known here (its own lifts and the level last read), counter units."""
+        return self._lift_level.get(user, 0)
+
+    def _activate(self, user: str) -> None:
+        before = self.counter(user)
+        super()._activate(user)
+        lift = self.counter(user) - before
+        if lift:
+            self._lift_level[user] = self._lift_level.get(user, 0) + lift
+            self._lift_changed.add(user)
 
     def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
         """``VTCPolicy.on_service``, and remember the tokens for the next ``sync``. O(1)."""
@@ -218,20 +309,44 @@ class GlobalVTCPolicy(VTCPolicy):
         self._unpublished = {}
         return out
 
+    def take_lifts(self) -> dict[str, int]:
+        """user -> lift level (counter units) for each user whose level rose here by a lift since
+        the last call; clears the list. Levels are absolute: sending one twice is harmless."""
+        out = {u: self._lift_level[u] for u in self._lift_changed}
+        self._lift_changed = set()
+        return out
+
     def set_offsets(self, others: Mapping[str, int]) -> None:
         """Take the others' service (user -> counter units) as the new offsets; an offset never
         goes down (a smaller reading, e.g. from a store that lost a replica's entry, is ignored)."""
-        off = self._offset
+        off, add = self._offset, self._add
         for user, units in others.items():
-            if units > off.get(user, 0):
+            old = off.get(user, 0)
+            if units > old:
                 off[user] = units
+                add[user] = add.get(user, 0) + units - old
+
+    def set_lifts(self, levels: Mapping[str, int]) -> None:
+        """Raise each user's lift level here to the global one read (user -> counter units); a
+        lower reading is ignored. The view rises by the difference."""
+        known, add = self._lift_level, self._add
+        for user, level in levels.items():
+            old = known.get(user, 0)
+            if level > old:
+                known[user] = level
+                add[user] = add.get(user, 0) + level - old
+
+    def take_reply(self, reply: SyncReply) -> None:
+        """``set_offsets(reply.service)`` and ``set_lifts(reply.lifts)``."""
+        self.set_offsets(reply.service)
+        self.set_lifts(reply.lifts)
 
     def sync(self, store: Any) -> None:
-        """Publish the deltas to ``store`` and read the others' totals back: ``store.sync``.
+        """Publish the deltas and lift levels to ``store`` and read the others' back: ``store.sync``.
 
-        ``store`` is a ``GlobalCounters`` or anything with its ``sync(replica_id, deltas)``.
+        ``store`` is a ``GlobalCounters`` or anything with its ``sync(replica_id, deltas, lifts=)``.
         """
-        self.set_offsets(store.sync(self.replica_id, self.take_deltas()))
+        self.take_reply(store.sync(self.replica_id, self.take_deltas(), lifts=self.take_lifts()))
 
     def waiting_users(self) -> list[str]:
         """Users with a request waiting in this policy's queue."""

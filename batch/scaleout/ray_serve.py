@@ -140,12 +140,13 @@ class EngineReplica:
         self.received = 0
         self.syncs = 0
         self._unsent: dict[str, int] = {}
+        self._unsent_lifts: dict[str, int] = {}
         self._by_user: dict[str, int] = {}  # user -> its requests here not finished
         self._received_by_user: dict[str, int] = {}  # user -> its requests received here (all time)
         self._task: asyncio.Task | None = None
         if counters is not None:  # a replacement or late replica: the others' service now, not 0 until a sync
             try:
-                self.policy.set_offsets(ray.get(counters.others.remote(self.replica_id), timeout=5.0))
+                self.policy.take_reply(ray.get(counters.reply.remote(self.replica_id), timeout=5.0))
             except Exception:  # noqa: BLE001 - the actor unreachable: offsets 0 until the first sync
                 pass
 
@@ -180,22 +181,26 @@ class EngineReplica:
                 failing = 0
 
     async def _sync_once(self) -> None:
-        """One sync; raises what the engine call or the actor call raised. Deltas taken but not
-        delivered stay in ``_unsent`` (sent with the next sync)."""
-        deltas, state = await self.engine.call(self._take)
+        """One sync; raises what the engine call or the actor call raised. Deltas and lift levels
+        taken but not delivered stay in ``_unsent``, ``_unsent_lifts`` (sent with the next sync)."""
+        deltas, lifts, state = await self.engine.call(self._take)
         for u, d in deltas.items():
             self._unsent[u] = self._unsent.get(u, 0) + d
-        others = await self.counters.sync.remote(self.replica_id, self._unsent, state)
-        self._unsent = {}
+        for u, level in lifts.items():
+            self._unsent_lifts[u] = max(self._unsent_lifts.get(u, 0), level)
+        reply = await self.counters.sync.remote(self.replica_id, self._unsent, state, self._unsent_lifts)
+        self._unsent, self._unsent_lifts = {}, {}
         self.syncs += 1
-        await self.engine.call(lambda o=others: self.policy.set_offsets(o))
+        await self.engine.call(lambda r=reply: self.policy.take_reply(r))
 
-    def _take(self) -> tuple[dict[str, int], dict]:
-        """On the engine thread: the deltas, and the state the store may measure the gap from."""
+    def _take(self) -> tuple[dict[str, int], dict[str, int], dict]:
+        """On the engine thread: the deltas, the lift levels, and the state the store may measure
+        the gap from."""
         resident: dict[str, int] = {}
         for q in self.engine.scheduler.running:
             resident[q.user_id] = resident.get(q.user_id, 0) + 1
-        return self.policy.take_deltas(), {"waiting": self.policy.waiting_users(), "resident": resident}
+        return (self.policy.take_deltas(), self.policy.take_lifts(),
+                {"waiting": self.policy.waiting_users(), "resident": resident})
 
     async def generate(self, body: dict) -> dict:
         """Run one request to completion.
