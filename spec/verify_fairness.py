@@ -1,6 +1,6 @@
-"""z3 checks of the fairness rules: VTC counter gap (inductive, bounded), the lift, aging, the sit-out bound.
+"""z3 checks of the fairness rules: the VTC counter gap (inductive, bounded, across replicas), the lift, aging, sit-outs.
 
-A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers five
+A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers seven
 checks, run with the others by ``python -m spec.verify`` (``--only vtc_counter_gap`` etc.).
 Every check evaluates the functions of ``spec.fairness_rules`` that ``batch/policies/policy.py``,
 ``batch/core/isolation.py`` and ``scheduler.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
@@ -596,3 +596,114 @@ def check_vtc_counter_gap_bmc(opts: Options) -> Outcome:
             else:
                 paper_hit = f"; weights 1,1: the paper's bound held within the depth ({st})"
     return Outcome("proved", bound, "unsat; assumptions sat" + paper_hit)
+
+
+# ---------------------------------------------------------------- 5. the counter gap across replicas
+
+
+def _replica_gap_steps(p: _User, q: _User, cap: Any, tol: Any, stale: Any,
+                       upper: bool = True) -> list[tuple[str, list, list]]:
+    """The steps of the cross-replica gap proof (``docs/scale-out.md`` section 2).
+
+    ``p.c``, ``q.c`` are the *true* global counters ``c_u = S_u + L_u`` (service on all replicas
+    plus lift level) and ``rho`` the charge still to come from the user's resident requests on all
+    replicas. Each step acts on one replica, whose views ``v`` of the two counters are whatever
+    the sandwich ``c - D <= v <= c`` allows (``stale`` is ``D``, counter units): every sync, and
+    every other replica's service, moves views only within it. ``upper=False`` drops the upper
+    half, ``v <= c``: a replica whose view of a user includes a lift it never published.
+    """
+    z3 = _z3()
+
+    def views(tag: str) -> tuple[Any, Any, list]:
+        vp, vq = z3.Ints(f"view_p_{tag} view_q_{tag}")
+        sandwich = [p.c - stale <= vp, q.c - stale <= vq]
+        if upper:
+            sandwich += [vp <= p.c, vq <= q.c]
+        return vp, vq, sandwich
+
+    steps = []
+    for who, other, w_tag in ((p, q, "p"), (q, p, "q")):
+        vp, vq, sandwich = views(f"admit_{w_tag}")
+        v_who, v_other = (vp, vq) if who is p else (vq, vp)
+        a_who, a_other = z3.Ints(f"advance_{w_tag}_{w_tag} advance_{w_tag}_other")
+        x_in, x_out = z3.Ints(f"admit_prompt_{who.tag} admit_output_{who.tag}")
+        units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+        local, local_other = v_who + a_who, v_other + a_other  # the replica's local copies this tick
+        guard = [*sandwich, x_in >= 0, x_out >= 0, who.rho + units <= cap,
+                 0 <= a_who, a_who <= who.rho * (fr.COUNTER_SCALE // who.w),
+                 0 <= a_other, a_other <= other.rho * (fr.COUNTER_SCALE // other.w),
+                 # the other user is backlogged on this replica: admission within tol of the least local counter
+                 fr.vtc_eligible(local, Min(local, local_other), tol)]
+        steps.append((f"admission of a request of {who.tag} on a replica where {other.tag} is backlogged",
+                      guard, [(who.rho, who.rho + units)]))
+        vp, vq, sandwich = views(f"lift_{w_tag}")
+        v_who, v_other = (vp, vq) if who is p else (vq, vp)
+        least = z3.Int(f"least_view_{w_tag}")  # the least view among the others backlogged there
+        lifted = fr.lifted_counter(v_who, least, True, tol)
+        steps.append((f"lift of {who.tag} on a replica where {other.tag} is backlogged",
+                      [*sandwich, least >= 0, least <= v_other],
+                      [(who.c, who.c + (lifted - v_who))]))
+    sp_in, sp_out, sq_in, sq_out = z3.Ints("served_prompt_p served_output_p served_prompt_q served_output_q")
+    up = fr.service_units(sp_in, sp_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+    uq = fr.service_units(sq_in, sq_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+    steps.append(("service on any replicas (charge both users)",
+                  [sp_in >= 0, sp_out >= 0, sq_in >= 0, sq_out >= 0, up <= p.rho, uq <= q.rho],
+                  [(p.c, fr.charged_counter(p.c, up, p.w)), (p.rho, p.rho - up),
+                   (q.c, fr.charged_counter(q.c, uq, q.w)), (q.rho, q.rho - uq)]))
+    yp, yq = z3.Ints("preempted_units_p preempted_units_q")
+    steps.append(("preemption on any replica", [yp >= 0, yp <= p.rho, yq >= 0, yq <= q.rho],
+                  [(p.rho, p.rho - yp), (q.rho, q.rho - yq)]))
+    return steps
+
+
+def _replica_gap_proof(weights: tuple[int, int], timeout_s: float, upper: bool = True) -> tuple[str, Any]:
+    """Every step keeps ``J(p,q), J(q,p) <= G + D`` (``G >= U_p + U_q + T``) and
+    ``0 <= R <= cap``; returns ``("proved", None)`` or the failing step's record."""
+    z3 = _z3()
+    p, q = _User("p", weights[0]), _User("q", weights[1])
+    cap, tol, stale, g = z3.Ints("max_resident_units tolerance staleness_D G")
+    base = [cap >= 0, tol >= 0, stale >= 0, g >= vtc_counter_gap_bound_units(cap, *weights) + tol]
+
+    def inv(sub: list) -> list[tuple[str, Any]]:
+        def v(x: Any) -> Any:
+            return next((val for var, val in sub if z3.eq(var, x)), x)
+        out = [(f"0 <= committed_{u.tag} <= cap", And(0 <= v(u.rho), v(u.rho) <= cap)) for u in (p, q)]
+        return out + [("J(p,q): c_p + R_p - c_q <= G + D", p.committed(v(p.c), v(p.rho)) - v(q.c) <= g + stale),
+                      ("J(q,p): c_q + R_q - c_p <= G + D", q.committed(v(q.c), v(q.rho)) - v(p.c) <= g + stale)]
+    pre = [goal for _, goal in inv([])]
+    for name, guard, after in _replica_gap_steps(p, q, cap, tol, stale, upper):
+        status, info = _prove([*base, *pre, *guard], inv(after), timeout_s)
+        if status != "proved":
+            return status, (name, info, p, q, cap, g, tol, stale)
+    return "proved", None
+
+
+@register("vtc_counter_gap_replicas",
+          "across replicas sharing counters with staleness D (every replica's view v of a user's global counter "
+          "c = service on all replicas + lift level within c - D <= v <= c): J(p,q) = c_p + R_p - c_q <= "
+          "U_p + U_q + T + D is inductive under admission of p on a replica where q is backlogged (vtc_eligible "
+          "on that replica's views, with the tick's advance), a lift of p there (lifted_counter on its views), "
+          "the same for q, service on any replicas, preemption; hence c_p - c_q <= U_p + U_q + T + D "
+          "(docs/scale-out.md section 2); without the sandwich's upper half (a lift kept private) it is not")
+def check_vtc_counter_gap_replicas(opts: Options) -> Outcome:
+    """Inductive step per step kind, per weight pair in ``GAP_WEIGHTS``; any D, views, service."""
+    bound = (f"unbounded (any counters, any staleness D >= 0, any views within the sandwich, any service up to "
+             f"what is resident); weight pairs {list(GAP_WEIGHTS)}")
+    for w in GAP_WEIGHTS:
+        status, info = _replica_gap_proof(w, opts.timeout_s)
+        if status == "counterexample":
+            name, (m, bad), p, q, cap, g, tol, stale = info
+            values = {"weights (p, q)": w, "max_resident_units": _val(m, cap), "tolerance": _val(m, tol),
+                      "G": _val(m, g), "D": _val(m, stale)}
+            for u in (p, q):
+                values[f"user {u.tag}: global counter, committed units"] = (_val(m, u.c), _val(m, u.rho))
+            values["step's choices"] = ", ".join(f"{d.name()}={m[d]}" for d in m.decls()
+                                                 if d.name().startswith(("admit_", "served_", "preempted_", "view_",
+                                                                         "least_", "advance_")))
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(name, bad, values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"weights {w}: {status} {info[0] if info else ''}")
+    st_private, info = _replica_gap_proof((1, 1), opts.timeout_s, upper=False)
+    hole = f"{st_private} ({info[0]})" if info else st_private
+    return Outcome("proved", bound, "proved for every weight pair and every step; without the upper half of the "
+                                    f"sandwich (a lift kept on one replica, as before 2026-12-01): {hole}")

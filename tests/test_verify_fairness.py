@@ -21,14 +21,14 @@ OPTS = Options(timeout_s=60.0)
 def test_fairness_checks_are_registered_with_spec_verify():
     verify._load_plugins()
     for name in ("vtc_counter_gap", "vtc_counter_gap_bmc", "vtc_lift", "no_starvation_aging", "sit_out_bound",
-                 "sit_out_bound_with_target"):
+                 "sit_out_bound_with_target", "vtc_counter_gap_replicas"):
         assert name in verify.CHECKS
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc, vf.check_vtc_lift,
                                    vf.check_no_starvation_aging, vf.check_sit_out_bound,
-                                   vf.check_sit_out_bound_with_target])
+                                   vf.check_sit_out_bound_with_target, vf.check_vtc_counter_gap_replicas])
 def test_check_proves_the_rules_as_written(check):
     out = check(OPTS)
     assert out.status == "proved", out
@@ -42,6 +42,13 @@ def test_paper_bound_is_not_inductive_for_continuous_batching_but_the_derived_on
     assert vf.vtc_counter_gap_bound_units(vf.max_resident_units(1, 199, 99), 1, 1) == 794 * fr.COUNTER_SCALE
     # and in a bounded run from equal counters the paper's bound is exceeded, the derived one is not
     assert "the paper's 8 weighted tokens is exceeded" in vf.check_vtc_counter_gap_bmc(OPTS).detail
+
+
+def test_the_replica_bound_needs_every_view_at_or_below_the_global_counter():
+    # with the lifts published the step proof holds; a view above c_u (a private lift) breaks it
+    out = vf.check_vtc_counter_gap_replicas(OPTS)
+    assert out.status == "proved", out
+    assert "kept on one replica, as before 2026-12-01): counterexample (admission of a request of p" in out.detail
 
 
 def test_aging_model_reaches_a_pass_of_the_reservation_and_an_early_finish():
@@ -63,7 +70,7 @@ def test_aging_model_reaches_a_pass_of_the_reservation_and_an_early_finish():
 
 BUGS = {
     "charged_counter skips the weight": ("charged_counter", lambda c, units, w: c + units * fr.COUNTER_SCALE,
-                                         [vf.check_vtc_counter_gap]),
+                                         [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_replicas]),
     "no lift": ("lifted_counter", lambda own, m, others, tol: own, [vf.check_vtc_lift, vf.check_vtc_counter_gap]),
     "lift to the band's edge only": ("lifted_counter", lambda own, m, others, tol: fr.If(others, m - tol - 1, own),
                                      [vf.check_vtc_lift]),
@@ -72,10 +79,14 @@ BUGS = {
     "lift banks twice the tolerance": ("lifted_counter",
                                        lambda own, m, others, tol: fr.If(others, fr.Max(own, m - 2 * tol - 1), own),
                                        [vf.check_vtc_lift, vf.check_vtc_counter_gap]),
+    "lift above the band": ("lifted_counter",
+                            lambda own, m, others, tol: fr.If(others, fr.Max(own, m + tol + 1), own),
+                            [vf.check_vtc_lift, vf.check_vtc_counter_gap_replicas]),
     "eligibility band twice the tolerance": ("vtc_eligible", lambda local, least, tol: local <= least + 2 * tol,
-                                             [vf.check_vtc_counter_gap]),
+                                             [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_replicas]),
     "any user eligible": ("vtc_eligible", lambda local, least, tol: local == local,
-                          [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc]),
+                          [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc,
+                           vf.check_vtc_counter_gap_replicas]),
     "reservation never fires": ("reserved_after", lambda b, t: False, [vf.check_no_starvation_aging]),
     "sit-out cap removed": ("sit_out_allowed", lambda s, k: True,
                             [vf.check_sit_out_bound, vf.check_no_starvation_aging]),
