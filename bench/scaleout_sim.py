@@ -4,20 +4,22 @@ router in front, the per-user counters shared every ``--period`` seconds (``batc
 For each replica count it runs two workloads (docs/scale-out.md has the table this prints):
 
 * **overload**: four users of different shapes (``bench_fairness.OVERLOAD_USERS``), ``--overload``
-  requests each per replica, all at t = 0. Every user is backlogged from the start, so the global
-  counter gap is the largest difference of total service between two backlogged users
-  (``counter_gap_tokens``); it is checked against the bound derived in docs/scale-out.md:
+  requests each per replica, all at t = 0. Every user is backlogged from the start; the global
+  counter gap is the largest difference of global counter (service plus lift level) between two
+  users backlogged on every replica (``counter_gap_tokens``); it is checked against the bound
+  derived in docs/scale-out.md:
   ``U_p + U_q + T + D``, with ``U_u = N_u * (w_p * L_input + w_q * M) / w_u`` for ``N_u`` the most
   requests user ``u`` held resident on all replicas together (measured after every tick),
-  ``T = 0`` (the default tolerance) and ``D`` the most service one user was granted on all
-  replicas within one sync period (measured). The same run with no sharing (``period None``) shows
+  ``T = 0`` (the default tolerance) and ``D`` the most one user's global counter rose (service on
+  all replicas, and lifts) within one sync period (measured). The same run with no sharing (``period None``) shows
   what the shared counters buy; ``--flood`` adds the flooding-user case where they matter.
 * **returning** (``--returning B``): three of those users backlogged from t = 0 (``--overload``
   requests each per replica) while the fourth (``mixed``) sends ``B`` bursts of 6 requests per
   replica, one every ``--returning-gap`` seconds from 0.5 s: it drains between bursts and comes
   back behind, so it is lifted (and so are the others, on replicas where they drain first). The
-  same gap and bound as the overload, with ``D`` the most a user's global counter rose in one
-  period, lifts included; ``lifts`` is the users' lift levels in the store at the end.
+  same gap as the overload; a return starts the pair within ``G_R + D + T + 1`` (docs/scale-out.md
+  section 2, "where it starts"), so that is the bound checked here (``T = 0``: ``U_p + U_q + 2D``
+  and one counter unit); ``lifts`` is the users' lift levels in the store at the end.
 * **stream**: ``request_gen.stream`` at 60 requests/s per replica (``stream-saturating``, about
   2.2x one replica's capacity), ``--stream`` requests per replica: throughput against R times one
   replica's, and the router's balance (max/min output tokens and requests routed per replica).
@@ -81,7 +83,7 @@ def gap_bound_tokens(res: ClusterResult) -> tuple[float, float]:
     per_request = fr.PROMPT_PRICE * PROMPT_RANGE[1] + fr.OUTPUT_PRICE * MAX_TOKENS_RANGE[1]
     top = sorted(res.max_resident.values(), reverse=True)[:2] + [0, 0]
     resident = (top[0] + top[1]) * per_request
-    return resident + 0 + res.max_period_service_tokens, resident
+    return resident + 0 + res.max_period_rise_tokens, resident
 
 
 def run_overload(replicas: int, period: float | None, per_user: int, seed: int) -> dict:
@@ -91,7 +93,7 @@ def run_overload(replicas: int, period: float | None, per_user: int, seed: int) 
     return {"replicas": replicas, "period_s": period, "requests": len(res.finished),
             "counter_gap": res.counter_gap_tokens, "counter_gap_any": res.counter_gap_any_tokens,
             "interval_gap": res.gap_tokens,
-            "period_service_D": res.max_period_service_tokens, "resident_part": resident, "bound": bound,
+            "period_D": res.max_period_rise_tokens, "resident_part": resident, "bound": bound,
             "max_resident": max(res.max_resident.values()), "wall_s": time.perf_counter() - t0}
 
 
@@ -99,10 +101,11 @@ def run_returning(replicas: int, period: float, per_user: int, bursts: int, gap_
     t0 = time.perf_counter()
     cl = LocalCluster(replicas, period_s=period, seed=seed)
     res = cl.run(returning(seed, per_user * replicas, bursts, 6 * replicas, gap_s))
-    bound, resident = gap_bound_tokens(res)
+    g_r, resident = gap_bound_tokens(res)
+    bound = g_r + res.max_period_rise_tokens + 1 / fr.COUNTER_SCALE  # G_R + D + T + 1 unit, T = 0
     return {"replicas": replicas, "period_s": period, "requests": len(res.finished),
             "counter_gap": res.counter_gap_tokens, "counter_gap_any": res.counter_gap_any_tokens,
-            "period_service_D": res.max_period_service_tokens, "resident_part": resident, "bound": bound,
+            "period_D": res.max_period_rise_tokens, "resident_part": resident, "bound": bound,
             "lifts": {u: v / fr.COUNTER_SCALE for u, v in sorted(cl.store.lifts().items())},
             "wall_s": time.perf_counter() - t0}
 
@@ -181,13 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_main(a, out)
     if out["returning"]:
         print(f"\nReturning user: 3 users x {a.overload} requests per replica at t=0, 'mixed' {a.returning} bursts of "
-              f"6 per replica every {a.returning_gap} s from 0.5 s; sync period {a.period} s; D includes lifts")
-        print(f"{'replicas':>8} {'counter gap':>11} {'bound':>9} {'gap/bound':>9} {'D (1 period)':>12} {'U_p+U_q':>9} "
+              f"6 per replica every {a.returning_gap} s from 0.5 s; sync period {a.period} s; D includes lifts; "
+              f"bound G_R + D + T + 1 unit")
+        print(f"{'replicas':>8} {'counter gap':>11} {'G_R + D':>9} {'gap/bound':>9} {'D (1 period)':>12} {'U_p+U_q':>9} "
               f"{'gap, any':>9}  lift levels (tokens)")
         for o in out["returning"]:
             lifts = ", ".join(f"{u} {v:,.0f}" for u, v in o["lifts"].items()) or "none"
             print(f"{o['replicas']:>8} {o['counter_gap']:>11,.0f} {o['bound']:>9,.0f} {o['counter_gap'] / o['bound']:>9.3f} "
-                  f"{o['period_service_D']:>12,.0f} {o['resident_part']:>9,.0f} {o['counter_gap_any']:>9,.0f}  {lifts}")
+                  f"{o['period_D']:>12,.0f} {o['resident_part']:>9,.0f} {o['counter_gap_any']:>9,.0f}  {lifts}")
     if out["flood"]:
         print(f"\nFlood: A sends {a.flood} requests per replica, light user Lk {a.light} requests pinned to replica k, "
               f"all at t=0; A's share of each replica's service while all are backlogged (fair: 1/(R+1) of each)")
@@ -211,7 +215,7 @@ def print_main(a: argparse.Namespace, out: dict) -> None:
             bound, ratio, d = f"{'-':>9}", f"{'-':>9}", f"{'-':>12}"
         else:
             bound, ratio = f"{o['bound']:>9,.0f}", f"{o['counter_gap'] / o['bound']:>9.3f}"
-            d = f"{o['period_service_D']:>12,.0f}"
+            d = f"{o['period_D']:>12,.0f}"
         print(f"{o['replicas']:>8} {per:>7} {o['counter_gap']:>11,.0f} {bound} {ratio} {d} {o['resident_part']:>9,.0f} "
               f"{o['max_resident']:>7} {o['interval_gap']:>12,.0f} {o['counter_gap_any']:>9,.0f} {o['wall_s']:>6.1f}")
     one = next((s["throughput"] for s in out["stream"] if s["replicas"] == 1), None)

@@ -403,7 +403,7 @@ def test_the_cross_replica_counter_gap_stays_within_the_derived_bound(replicas):
     row = scaleout_sim.run_overload(replicas, 0.05, 30, seed=1)
     assert row["requests"] == 120 * replicas
     assert 0 < row["counter_gap"] <= row["bound"]
-    assert row["bound"] == row["resident_part"] + row["period_service_D"]
+    assert row["bound"] == row["resident_part"] + row["period_D"]
 
 
 def test_the_counter_gap_stays_within_the_bound_when_users_return_and_are_lifted():
@@ -416,6 +416,8 @@ def test_the_counter_gap_stays_within_the_bound_when_users_return_and_are_lifted
     row = scaleout_sim.run_returning(2, 0.05, 40, bursts=4, gap_s=1.0, seed=1)
     assert row["requests"] == 3 * 80 + 4 * 12
     assert row["lifts"].get("mixed", 0) > 0  # the returning user was lifted (and published)
+    # a return starts the pair within G_R + D + T + 1 unit (docs/scale-out.md section 2), T = 0
+    assert row["bound"] == pytest.approx(row["resident_part"] + 2 * row["period_D"] + 1 / SCALE)
     assert 0 < row["counter_gap"] <= row["bound"]
 
 
@@ -448,6 +450,48 @@ def test_the_gap_observer_measures_gap_resident_and_window_service():
     assert st["max_gap_tokens"] == 13  # A 15 - B 2, both waiting on r0 and r1
     assert st["max_resident"] == {"A": 5, "B": 1}
     assert st["max_window_tokens"] == 15  # A's 10 + 5 within 0.1 s
+
+
+def test_the_gap_observer_counts_lift_rises_in_the_gap_and_in_d():
+    from batch.scaleout.counters import GapObserver
+
+    now = [0.0]
+    store = GlobalCounters()
+    store.observer = GapObserver(staleness_s=0.1, clock=lambda: now[0])
+    store.sync("r0", {"A": 10 * SCALE, "B": 2 * SCALE}, {"waiting": ["A", "B"], "resident": {}})
+    now[0] = 0.05
+    # r1 lifts B to level 30: B's counter is 2 + 30; it rose 2 + 30 within the window
+    store.sync("r1", {}, {"waiting": ["A", "B"], "resident": {}}, lifts={"B": 30 * SCALE})
+    st = store.gap_stats()
+    assert st["max_window_tokens"] == 32 and st["max_gap_tokens"] == 22  # 32 - 10
+    now[0] = 0.06
+    store.sync("r0", {}, {"waiting": ["A", "B"], "resident": {}}, lifts={"B": 30 * SCALE})  # no rise: no D
+    assert store.gap_stats()["max_window_tokens"] == 32
+
+
+def test_pending_sync_sums_deltas_and_keeps_the_highest_lift_level():
+    from batch.scaleout.counters import PendingSync
+
+    p = PendingSync()
+    p.add({"A": 5}, {"B": 9})
+    p.add({"A": 2, "C": 1}, {"B": 4, "C": 3})
+    assert p.deltas == {"A": 7, "C": 1} and p.lifts == {"B": 9, "C": 3}
+    p.clear()
+    assert p.deltas == {} and p.lifts == {}
+
+
+def test_a_failed_sync_keeps_the_deltas_and_lifts_for_the_next():
+    class Down:
+        def sync(self, *a, **kw):
+            raise ConnectionError("store unreachable")
+
+    store, [(r0, s0), _] = lifted_pair()
+    s0.submit(req("B", 0))  # lifted on r0
+    r0.on_service("B", 10, 0)
+    with pytest.raises(ConnectionError):
+        r0.sync(Down())
+    r0.sync(store)  # the next sync delivers what the failed one took
+    assert store.totals()["B"] == 10 * SCALE and store.lifts()["B"] == r0.lift_level("B") > 0
 
 
 @pytest.mark.parametrize("extra", [["--max-running", "4"], ["--eos-probability", "0.5"], ["--max-waiting", "10"],

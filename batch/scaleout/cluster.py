@@ -136,10 +136,11 @@ class ClusterResult:
             served is the derived bound's premise.
         counter_gap_any_tokens: the same between users waiting on *some* replica: not bounded (a
             user whose backlog is left on one replica cannot be served on the others).
-        max_period_service_tokens: the most any user's global counter rose (service on all
+        max_period_rise_tokens: the most any user's global counter rose (service on all
             replicas, and lifts), within one sync period (between two sync instants), weighted
-            tokens: the measured ``D`` of docs/scale-out.md. With ``period_s = 0`` (staleness: one iteration) it is taken
-            between two samples instead, an upper bound; 0 when never synced.
+            tokens: the measured ``D`` of docs/scale-out.md. With ``period_s = 0`` (staleness: the others'
+            iterations in progress) it is taken between two samples instead, an estimate, not a
+            bound (docs/scale-out.md section 2); 0 when never synced.
         max_resident: user -> the most requests it held resident across all replicas after any tick.
         routed: replica id -> requests the router sent there (retries included).
         replica_tokens: replica id -> output tokens of the requests that finished there.
@@ -158,7 +159,7 @@ class ClusterResult:
     gap_tokens: float
     counter_gap_tokens: float
     counter_gap_any_tokens: float
-    max_period_service_tokens: float
+    max_period_rise_tokens: float
     max_resident: dict[str, int]
     routed: dict[str, int]
     replica_tokens: dict[str, int]
@@ -315,7 +316,7 @@ class LocalCluster:
         out = self.service_tokens()
         levels: dict[str, int] = {}
         for rep in self.replicas.values():
-            for u, level in rep.policy._lift_level.items():  # noqa: SLF001
+            for u, level in rep.policy.lift_levels().items():
                 levels[u] = max(levels.get(u, 0), level)
         for u, level in levels.items():
             out[u] = out.get(u, 0.0) + level / fr.COUNTER_SCALE
@@ -373,7 +374,7 @@ class LocalCluster:
             if next_sample <= t:  # meters first: they see the state at the sample instant
                 svc = self.service_tokens()
                 ctr = self.counter_tokens()
-                if period == 0:  # D over a sample interval (longer than the staleness: an upper bound)
+                if period == 0:  # D over a sample interval: an estimate (docs/scale-out.md section 2)
                     max_period = max([max_period] + [ctr[u] - prev_counter.get(u, 0.0) for u in ctr])
                     prev_counter = ctr
                 per_replica = [r.backlogged_users() for r in self.live()]
@@ -442,7 +443,7 @@ class LocalCluster:
             finished=self.finished, refused=self.refused, retried=dict(self.retried), arrival_s=self.arrival_s,
             first_arrival_s=first, last_completion_s=last_completion, gap_tokens=meter.gap, counter_gap_tokens=counter_gap[0],
             counter_gap_any_tokens=counter_gap[1],
-            max_period_service_tokens=max_period, max_resident=max_resident, routed=dict(self.router.picks),
+            max_period_rise_tokens=max_period, max_resident=max_resident, routed=dict(self.router.picks),
             replica_tokens={rid: r.finished_tokens for rid, r in self.replicas.items()},
             replica_service={rid: {u: r.granted_tokens(u) for u in users} for rid, r in self.replicas.items()},
             share_service=share, counter_syncs=self.store.syncs)

@@ -13,7 +13,10 @@ A user's global counter is ``c_u = S_u + L_u``: ``S_u`` its service on all repli
 lifting the same returning user at once, each unaware of the other, lift it once). On one replica
 this is VTC's counter exactly (its lifts add up to the level). Every replica's view stays at or
 below ``c_u`` (``docs/scale-out.md`` section 2 needs it: a lift kept on one replica would put that
-replica's view above the counter the others see).
+replica's view above the counter the others see), exactly when every weight divides
+``COUNTER_SCALE`` (weights 1..16 do); otherwise the replica's own counter rounds each charge up
+when it folds it and ``take_deltas`` once per sync, so a view can differ from ``c_u`` by a few
+counter units (well under one weighted token).
 
 Staleness: a replica's view of another's service lags by at most ``S`` seconds, where ``S = P``
 when all replicas sync at the same instants (the virtual-clock simulation) and, on Ray, where they
@@ -33,7 +36,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 from batch.policies.vtc import VTCPolicy
 from spec import fairness_rules as fr
 
-__all__ = ["GlobalCounters", "GlobalVTCPolicy", "GapObserver", "SyncReply"]
+__all__ = ["GlobalCounters", "GlobalVTCPolicy", "GapObserver", "SyncReply", "PendingSync"]
 
 
 class SyncReply(NamedTuple):
@@ -46,6 +49,32 @@ class SyncReply(NamedTuple):
 
     service: dict[str, int]
     lifts: dict[str, int]
+
+
+class PendingSync:
+    """What a replica has taken for the store but not yet delivered: service deltas (summed) and
+    lift levels (the highest kept: levels are absolute). A sync that fails keeps them for the next.
+
+    Attributes:
+        deltas: user -> counter units of service not yet published.
+        lifts: user -> lift level not yet published, counter units.
+    """
+
+    def __init__(self) -> None:
+        self.deltas: dict[str, int] = {}
+        self.lifts: dict[str, int] = {}
+
+    def add(self, deltas: Mapping[str, int], lifts: Mapping[str, int]) -> None:
+        """Add ``deltas`` to the pending service and keep the higher of each lift level."""
+        for u, d in deltas.items():
+            self.deltas[u] = self.deltas.get(u, 0) + d
+        for u, level in lifts.items():
+            if level > self.lifts.get(u, 0):
+                self.lifts[u] = level
+
+    def clear(self) -> None:
+        """They were delivered."""
+        self.deltas, self.lifts = {}, {}
 
 
 def _check_units(what: str, values: Mapping[str, int]) -> None:
@@ -112,12 +141,16 @@ class GlobalCounters:
     def reply(self, replica_id: str) -> SyncReply:
         """``SyncReply(others(replica_id), lifts())``: what a replica reads (also at its start)."""
         with self._lock:
-            own = self._by_replica.get(replica_id, {})
-            return SyncReply({u: t - own.get(u, 0) for u, t in self._total.items()}, dict(self._lift))
+            return self._reply_locked(replica_id)
+
+    def _reply_locked(self, replica_id: str) -> SyncReply:
+        own = self._by_replica.get(replica_id, {})
+        return SyncReply({u: t - own.get(u, 0) for u, t in self._total.items()}, dict(self._lift))
 
     def sync(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any] | None = None,
              lifts: Mapping[str, int] | None = None) -> SyncReply:
-        """``publish(replica_id, deltas, lifts)`` then ``reply(replica_id)``: one round trip.
+        """``publish(replica_id, deltas, lifts)`` then ``reply(replica_id)``, in one step under the
+        lock: one round trip.
 
         ``state`` (optional, for measurement): the replica's ``{"waiting": [users], "resident":
         {user: requests}}`` at this sync, handed to ``observer`` (a ``GapObserver``) if one is set.
@@ -135,7 +168,7 @@ class GlobalCounters:
                 for u, r in rose.items():
                     rises[u] = rises.get(u, 0) + r
                 self.observer.observe(replica_id, rises, state, self._counters_locked())
-        return self.reply(replica_id)
+            return self._reply_locked(replica_id)
 
     def observe_gap(self, staleness_s: float) -> None:
         """Start measuring the counter gap and its bound's terms at each sync (``GapObserver``)."""
@@ -194,12 +227,12 @@ class GapObserver:
         self._log: deque[tuple[float, str, int]] = deque()
         self._window: dict[str, int] = {}
 
-    def observe(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any],
-                totals: Mapping[str, int]) -> None:
-        """Take one replica's sync: ``deltas`` (user -> rise of the published counter, counter
-        units: its service plus any lift-level rise), its ``state``, the store's counters ``totals``."""
+    def observe(self, replica_id: str, rises: Mapping[str, int], state: Mapping[str, Any],
+                counters: Mapping[str, int]) -> None:
+        """Take one replica's sync: ``rises`` (user -> rise of the published counter, counter
+        units: its service plus any lift-level rise), its ``state``, the store's ``counters``."""
         now = self.clock()
-        for user, d in deltas.items():
+        for user, d in rises.items():
             if d:
                 self._log.append((now, user, d))
                 self._window[user] = self._window.get(user, 0) + d
@@ -212,7 +245,7 @@ class GapObserver:
         self._resident[replica_id] = dict(state.get("resident", {}))
         every = set.intersection(*self._waiting.values()) if self._waiting else set()
         if len(every) >= 2:
-            vals = [totals.get(u, 0) for u in every]
+            vals = [counters.get(u, 0) for u in every]
             self.max_gap_tokens = max(self.max_gap_tokens, (max(vals) - min(vals)) / fr.COUNTER_SCALE)
         summed: dict[str, int] = {}
         for res in self._resident.values():
@@ -265,6 +298,7 @@ class GlobalVTCPolicy(VTCPolicy):
         self._lift_level: dict[str, int] = {}  # user -> its lift level as known here, counter units
         self._lift_changed: set[str] = set()  # users whose level rose here since the last take_lifts
         self._unpublished: dict[str, list[int]] = {}  # user -> [prompt, output] tokens since the last sync
+        self._pending = PendingSync()  # taken for the store, not yet delivered (``sync``)
         self.service_units: dict[str, int] = {}  # user -> service this replica granted, counter units
 
     def counter(self, user: str) -> int:
@@ -278,6 +312,10 @@ class GlobalVTCPolicy(VTCPolicy):
     def lift_level(self, user: str) -> int:
         """The user's lift level as known here (its own lifts and the level last read), counter units."""
         return self._lift_level.get(user, 0)
+
+    def lift_levels(self) -> dict[str, int]:
+        """user -> ``lift_level(user)`` for every user lifted here or read lifted (a copy)."""
+        return dict(self._lift_level)
 
     def _activate(self, user: str) -> None:
         before = self.counter(user)
@@ -345,8 +383,13 @@ class GlobalVTCPolicy(VTCPolicy):
         """Publish the deltas and lift levels to ``store`` and read the others' back: ``store.sync``.
 
         ``store`` is a ``GlobalCounters`` or anything with its ``sync(replica_id, deltas, lifts=)``.
+        If ``store.sync`` raises, what was taken stays pending and goes with the next sync.
         """
-        self.take_reply(store.sync(self.replica_id, self.take_deltas(), lifts=self.take_lifts()))
+        pending = self._pending
+        pending.add(self.take_deltas(), self.take_lifts())
+        reply = store.sync(self.replica_id, pending.deltas, lifts=pending.lifts)
+        pending.clear()
+        self.take_reply(reply)
 
     def waiting_users(self) -> list[str]:
         """Users with a request waiting in this policy's queue."""
