@@ -31,7 +31,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
+from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy, PendingSync
 from batch.scaleout.router import ReplicaLoad, Router
 from batch.server.engine import Engine, SeededGPU, ServedRequest
 from scheduler import Scheduler
@@ -139,8 +139,7 @@ class EngineReplica:
         self.period_s = period_s
         self.received = 0
         self.syncs = 0
-        self._unsent: dict[str, int] = {}
-        self._unsent_lifts: dict[str, int] = {}
+        self._unsent = PendingSync()  # taken on the engine thread, not yet delivered to the actor
         self._by_user: dict[str, int] = {}  # user -> its requests here not finished
         self._received_by_user: dict[str, int] = {}  # user -> its requests received here (all time)
         self._task: asyncio.Task | None = None
@@ -182,14 +181,12 @@ class EngineReplica:
 
     async def _sync_once(self) -> None:
         """One sync; raises what the engine call or the actor call raised. Deltas and lift levels
-        taken but not delivered stay in ``_unsent``, ``_unsent_lifts`` (sent with the next sync)."""
+        taken but not delivered stay in ``_unsent`` (sent with the next sync)."""
         deltas, lifts, state = await self.engine.call(self._take)
-        for u, d in deltas.items():
-            self._unsent[u] = self._unsent.get(u, 0) + d
-        for u, level in lifts.items():
-            self._unsent_lifts[u] = max(self._unsent_lifts.get(u, 0), level)
-        reply = await self.counters.sync.remote(self.replica_id, self._unsent, state, self._unsent_lifts)
-        self._unsent, self._unsent_lifts = {}, {}
+        unsent = self._unsent
+        unsent.add(deltas, lifts)
+        reply = await self.counters.sync.remote(self.replica_id, unsent.deltas, state, unsent.lifts)
+        unsent.clear()
         self.syncs += 1
         await self.engine.call(lambda r=reply: self.policy.take_reply(r))
 
