@@ -10,7 +10,7 @@ import pytest
 from batch.policies.vtc import VTCPolicy
 from batch.scaleout.cluster import GapMeter, LocalCluster
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
-from batch.scaleout.router import NoReplicaError, ReplicaLoad, Router
+from batch.scaleout.router import NoReplicaError, ReplicaLoad, Router, check_pins
 from inference_stub import Request, SimulatedGPU, VirtualClock
 from scheduler import Scheduler
 from spec import fairness_rules as fr
@@ -158,6 +158,36 @@ def test_router_exclude_remove_and_no_replica():
     assert r.replicas == ["a"]
     with pytest.raises(NoReplicaError):
         r.pick(exclude=["a"])
+
+
+def test_router_sends_a_pinned_user_to_its_index_in_the_sorted_ids_whatever_the_load():
+    r = Router(["r2", "r0", "r1"], pin_users={"P": 1, "Q": 5})
+    r.report("r1", ReplicaLoad(waiting=50))  # the most loaded: the load rule would never pick it
+    assert [r.pick("P") for _ in range(3)] == ["r1", "r1", "r1"]  # sorted ids: r0, r1, r2
+    assert r.pick("Q") != "r1"  # index 5 is past the live replicas: the load rule
+    assert r.pick(None) != "r1"
+
+
+def test_router_pin_falls_back_to_the_load_rule_when_its_replica_is_gone_or_excluded():
+    r = Router(["a", "b"], pin_users={"P": 1})
+    r.report("a", ReplicaLoad(waiting=9))
+    assert r.pick("P") == "b"
+    assert r.pick("P", exclude=["b"]) == "a"  # excluded: the only replica left
+    r.remove("b")
+    assert r.pinned("P") is None  # one live replica: there is no index 1
+    assert r.pick("P") == "a"
+    r.add("c")
+    assert r.pinned("P") == "c"  # a replacement takes the index (the pin follows the sorted ids)
+
+
+@pytest.mark.parametrize("pins, error", [
+    ([("P", 0)], TypeError), ({"": 0}, TypeError), ({3: 0}, TypeError), ({"P": "0"}, TypeError),
+    ({"P": True}, TypeError), ({"P": -1}, ValueError)])
+def test_router_refuses_a_bad_pin_with_a_typed_error(pins, error):
+    with pytest.raises(error, match="pin_users"):
+        Router(["a"], pin_users=pins)
+    with pytest.raises(error, match="pin_users"):
+        check_pins(pins)
 
 
 # ---------------------------------------------------------------- the cluster and the retry rule
