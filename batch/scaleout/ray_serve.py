@@ -12,7 +12,8 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
   longest iteration (each ``Engine.call`` waits for the current tick).
 * ``BatchRequestRouter`` (a Serve ``RequestRouter``): ``batch.scaleout.router.Router`` over the
   replicas' reported stats (waiting + in transit + the user's own unfinished requests there, then
-  free KV blocks, then least recently picked).
+  free KV blocks, then least recently picked); a user pinned by ``deploy(pin_users=...)`` goes to
+  the live replica at its index in the sorted replica ids (by load when there is none).
 * ``CountersActor``: ``GlobalCounters`` as a Ray actor (one per deployment, made by ``deploy``).
 * ``ScaleoutClient``: calls the deployment and applies the retry rule: a request whose replica died
   (a Ray actor error) is sent again, to the replicas left, from scratch (tokens so far discarded;
@@ -32,7 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
-from batch.scaleout.router import ReplicaLoad, Router
+from batch.scaleout.router import ReplicaLoad, Router, check_pins
 from batch.server.engine import Engine, SeededGPU, ServedRequest
 from scheduler import Scheduler
 from spec import fairness_rules as fr
@@ -52,7 +53,13 @@ log = logging.getLogger(__name__)
 RETRYABLE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
+#: The ``EngineReplica`` methods that carry a request: counted as sent by the router (others, such
+#: as ``service``, are routed, by their body's user when pinned, but never counted as load).
+_REQUEST_METHODS = frozenset({"generate"})
+
+
 def _user_of(pending: PendingRequest | None) -> str | None:
+    """The ``user`` of the call's first argument (a body dict), or ``None``."""
     if pending is None or not pending.args or not isinstance(pending.args[0], dict):
         return None
     user = pending.args[0].get("user")
@@ -69,9 +76,21 @@ class BatchRequestRouter(RequestRouter):
     request router when a request ends.
     """
 
-    def initialize_state(self, **kwargs: Any) -> None:
-        """Serve calls this once with ``request_router_kwargs`` (none are used)."""
-        self._router = Router()
+    def initialize_state(self, pin_users: dict[str, int] | None = None, **kwargs: Any) -> None:
+        """Serve calls this once with the deployment's ``request_router_kwargs``.
+
+        Args:
+            pin_users: user -> replica index (``deploy(pin_users=...)``): a pinned user's requests
+                go to the live replica at that index in the sorted order of the live replica ids
+                (Serve's unique ids), whatever its load; if there is no replica at that index
+                (fewer live replicas; the ids shift when one dies or a replacement joins), the
+                load rule decides. Session or prefix affinity; fairness is the counters' job.
+            kwargs: ignored (Serve's own).
+
+        Raises:
+            TypeError, ValueError: a bad ``pin_users`` (``batch.scaleout.router.check_pins``).
+        """
+        self._router = Router(pin_users=pin_users)
 
     def _sync_replicas(self, candidates: list[RunningReplica]) -> None:
         r = self._router
@@ -93,25 +112,37 @@ class BatchRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """The least-loaded candidate first (``Router.score``), then the others as a fallback rank."""
+        """The user's pinned replica (``Router.pinned``) or else the least-loaded candidate
+        (``Router.score``) first, then the others as a fallback rank. Only request methods
+        (``generate``) are counted as sent."""
         if not candidate_replicas:
             return []
         self._sync_replicas(candidate_replicas)
         by_id = {rep.replica_id.unique_id: rep for rep in candidate_replicas}
         user = _user_of(pending_request)
         order = sorted(by_id, key=lambda rid: self._router.score(rid, user))
+        pin = self._router.pinned(user)
+        if pin in by_id:
+            order.remove(pin)
+            order.insert(0, pin)
         # counted as sent now, not in ``on_send_request``: Serve routes a burst's requests in
         # concurrent tasks, which would all see the same counts and pick the same replica. Serve
         # sends to the first rank unless that replica rejects (it does not: no strict
         # max_ongoing_requests), so a count that was not sent is rare and costs one request of bias.
-        self._router.note_sent(order[0], user)
+        if pending_request is not None and pending_request.metadata.call_method in _REQUEST_METHODS:
+            self._router.note_sent(order[0], user)
         return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]] if len(order) > 1 else [[by_id[order[0]]]]
 
 
+def _router_config(pin_users: dict[str, int] | None = None) -> RequestRouterConfig:
+    """``BatchRequestRouter`` with the replicas' load reports every 0.05 s, and ``pin_users``."""
+    return RequestRouterConfig(request_router_class=BatchRequestRouter, request_routing_stats_period_s=0.05,
+                               request_routing_stats_timeout_s=5.0,
+                               request_router_kwargs={"pin_users": pin_users} if pin_users else {})
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=100_000, health_check_period_s=1.0,
-                  request_router_config=RequestRouterConfig(request_router_class=BatchRequestRouter,
-                                                            request_routing_stats_period_s=0.05,
-                                                            request_routing_stats_timeout_s=5.0))
+                  request_router_config=_router_config())
 class EngineReplica:
     """One Batch engine as a Serve replica (see the module doc).
 
@@ -241,8 +272,18 @@ class EngineReplica:
                 "received": self.received, "by_user": dict(self._by_user),
                 "received_by_user": dict(self._received_by_user)}
 
-    async def service(self) -> dict:
-        """This replica's service per user so far (weighted tokens) and its counter offsets."""
+    async def service(self, body: dict | None = None) -> dict:
+        """This replica's service per user so far and its counter offsets.
+
+        Args:
+            body: only for routing: ``{"user": u}`` with ``u`` pinned (``deploy(pin_users=...)``)
+                sends this call to ``u``'s replica; ``None``: the load rule picks one.
+
+        Returns:
+            ``{"replica": id, "granted": {user: weighted tokens}, "offsets": {user: weighted
+            tokens}, "syncs": int}``; ``granted`` counts published and unpublished service, so it
+            is the same measure with or without the counters actor.
+        """
         self._ensure_started()
 
         def read() -> dict:
@@ -330,29 +371,50 @@ class Ingress:
                              "batch": {"replica": out["replica"], "tries": out["tries"]}})
 
 
+def _engines(replicas: int, pin_users: dict[str, int] | None) -> Any:
+    """``EngineReplica`` with ``replicas`` replicas and the router's ``pin_users`` (checked)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise TypeError(f"replicas must be an int, got {replicas!r}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+    pins = check_pins(pin_users)
+    if not pins:
+        return EngineReplica.options(num_replicas=replicas)
+    return EngineReplica.options(num_replicas=replicas, request_router_config=_router_config(pins))
+
+
 def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: float = 0.05,
            weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None, share: bool = True,
-           name: str = "batch", observe_gap: bool = False) -> tuple[Any, Any]:
+           name: str = "batch", observe_gap: bool = False,
+           pin_users: dict[str, int] | None = None) -> tuple[Any, Any]:
     """Start the counters actor and ``replicas`` engine replicas on the running Ray instance.
 
-    ``observe_gap``: the actor measures the counter gap and the bound's terms at every sync
-    (``GapObserver``, window ``2 * period_s + 0.05`` s, which leaves the ticks out of the staleness:
-    the measured ``D`` is an underestimate, docs/scale-out.md section 1; read with ``counters.gap_stats``).
+    Args:
+        replicas: engine replicas (int >= 1).
+        time_scale, seed, period_s, weights, kv_cap_blocks: ``EngineReplica``'s.
+        share: start the counters actor (``False``: each replica runs VTC on its own counters).
+        name: the Serve application's name.
+        observe_gap: the actor measures the counter gap and the bound's terms at every sync
+            (``GapObserver``, window ``2 * period_s + 0.05`` s, which leaves the ticks out of the
+            staleness: the measured ``D`` is an underestimate, docs/scale-out.md section 1; read
+            with ``counters.gap_stats``).
+        pin_users: user -> replica index (``BatchRequestRouter.initialize_state``): the user's
+            requests go to the live replica at that index in the sorted live replica ids, or by
+            load when there is none.
 
     Returns:
         ``(deployment handle, counters actor or None)``.
 
     Raises:
-        ValueError: ``replicas`` < 1.
+        TypeError: ``replicas`` not an int; a bad ``pin_users`` entry.
+        ValueError: ``replicas`` < 1; a negative pin index.
     """
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+    engines = _engines(replicas, pin_users)
     counters = CountersActor.remote() if share else None
     if counters is not None and observe_gap:
         ray.get(counters.observe_gap.remote(2 * period_s + 0.05))
-    app = EngineReplica.options(num_replicas=replicas).bind(counters, time_scale=time_scale, seed=seed,
-                                                             period_s=period_s, weights=weights,
-                                                             kv_cap_blocks=kv_cap_blocks)
+    app = engines.bind(counters, time_scale=time_scale, seed=seed, period_s=period_s, weights=weights,
+                       kv_cap_blocks=kv_cap_blocks)
     handle = serve.run(app, name=name, route_prefix=None)
     return handle, counters
 
