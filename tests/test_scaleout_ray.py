@@ -7,7 +7,9 @@ counters (the same run without them is the control). Skipped without the ``scale
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import socket
 import statistics
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the 'scaleout' extra (ray[serve]): make test-scaleout")
 serve = pytest.importorskip("ray.serve")
 
-from batch.scaleout.ray_serve import ScaleoutClient, deploy  # noqa: E402
+from batch.scaleout.ray_serve import Ingress, ScaleoutClient, deploy  # noqa: E402
 from batch.server.engine import SeededGPU, ServedRequest  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 from spec import fairness_rules as fr  # noqa: E402
@@ -26,11 +28,20 @@ TIME_SCALE = 1.0  # the stub's latency: 5 ms + 1 ms per request an iteration
 KV_CAP_BLOCKS = 96  # a smaller cache than the stub's 256: a burst of 60 requests per user is a backlog
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def handle():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         h, counters = deploy(2, time_scale=TIME_SCALE, period_s=0.05, kv_cap_blocks=KV_CAP_BLOCKS)
+        h.url = f"http://127.0.0.1:{port}"
         h.counters = counters
         yield h
     finally:
@@ -98,6 +109,108 @@ def test_ab_burst_over_both_replicas_keeps_b_ttft_within_1_5x_of_alone(handle):
         ratios.append(with_a / alone)
     print(f"A/B over two replicas: B's median TTFT with A / alone, per seed: {[round(r, 2) for r in ratios]}")
     assert statistics.median(ratios) <= 1.5, ratios
+
+
+def stream_all(client: ScaleoutClient, body: dict, got: list[list[int]] | None = None):
+    """Coroutine: every message of ``client.generate_stream(body)``; each message's tokens are also
+    appended to ``got`` as they come."""
+    async def main():
+        msgs = []
+        async for m in client.generate_stream(body):
+            msgs.append(m)
+            if got is not None:
+                got.append(m["tokens"])
+        return msgs
+    return main()
+
+
+def test_streamed_tokens_equal_the_non_streaming_answer(handle):
+    client = ScaleoutClient(handle)
+    items = bodies("S", 6, 7, max_tokens=(40, 99))
+
+    async def main():
+        streams = await asyncio.gather(*(stream_all(client, b) for b in items))
+        answers = await asyncio.gather(*(client.generate(b) for b in items))
+        return streams, answers
+
+    streams, answers = run(main())
+    want = expected_tokens(items)
+    for b, msgs, ans in zip(items, streams, answers):
+        assert "finish_reason" in msgs[-1] and all("finish_reason" not in m for m in msgs[:-1])
+        assert [t for m in msgs for t in m["tokens"]] == ans["tokens"] == want[b["request_id"]]
+        assert msgs[-1]["finish_reason"] == ans["finish_reason"] and msgs[-1]["tries"] == 1
+        assert msgs[-1]["completion_tokens"] == len(ans["tokens"])
+    assert max(len(m) for m in streams) > 5, "the tokens came in one message: nothing was streamed"
+
+
+def test_a_replica_killed_mid_stream_still_yields_each_whole_answer_once(handle):
+    client = ScaleoutClient(handle)
+    items = bodies("A", 15, 8, max_tokens=(80, 99)) + bodies("B", 15, 8, max_tokens=(80, 99))
+    victim = run(client.generate(bodies("W", 1, 3)[0]))["actor_name"]
+    got: dict[str, list[list[int]]] = {b["request_id"]: [] for b in items}
+
+    async def main():
+        tasks = [asyncio.ensure_future(stream_all(client, b, got[b["request_id"]])) for b in items]
+        while sum(any(g) for g in got.values()) < len(items) // 2:  # half the streams under way
+            await asyncio.sleep(0.01)
+        before_kill = {rid: sum(map(len, g)) for rid, g in got.items()}
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        return before_kill, await asyncio.gather(*tasks)
+
+    before_kill, out = run(main())
+    want = expected_tokens(items)
+    retried, mid_stream = 0, 0
+    for b, msgs in zip(items, out):
+        rid = b["request_id"]
+        assert [t for m in msgs for t in m["tokens"]] == want[rid]  # the whole answer, each token once
+        last = msgs[-1]
+        if last["tries"] > 1:
+            retried += 1
+            mid_stream += 0 < before_kill[rid] < len(want[rid])
+            assert last["actor_name"] != victim
+    assert mid_stream > 0 and client.retries >= retried, "the kill cut no stream in the middle"
+    print(f"kill mid-stream: {len(out)} streams, {retried} retried, {mid_stream} of them after tokens were "
+          f"delivered; each answer whole and once")
+
+
+def test_ingress_streams_the_single_process_servers_chunks(handle):
+    # the same prompt on the single-process server (same seed: same tokens) and on the replicas
+    # through the Ingress: the same SSE events but for id and created
+    from starlette.testclient import TestClient
+
+    from batch.server.app import ServerConfig, create_app
+    from batch.server.serve import build_engine
+
+    httpx = pytest.importorskip("httpx")
+    body = {"prompt": "one two three four", "max_tokens": 30, "user": "H", "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def events(text: str) -> list:
+        evs = [e for e in text.split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in evs) and evs[-1] == "data: [DONE]"
+        out = [json.loads(e[6:]) for e in evs[:-1]]
+        assert len({c["id"] for c in out}) == 1
+        return [{k: v for k, v in c.items() if k not in ("id", "created")} for c in out]
+
+    engine, tok, name = build_engine(time_scale=0.01, kv_cap_blocks=KV_CAP_BLOCKS)
+    with TestClient(create_app(engine, tok, ServerConfig(model_name=name))) as c:
+        single = c.post("/v1/completions", json=body)
+        plain_single = c.post("/v1/completions", json=dict(body, stream=False)).json()
+    assert single.status_code == 200
+
+    serve.run(Ingress.bind(handle), name="ingress", route_prefix="/")
+    try:
+        with httpx.stream("POST", f"{handle.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            text = r.read().decode()
+        plain = httpx.post(f"{handle.url}/v1/completions", json=dict(body, stream=False), timeout=60).json()
+        bad = httpx.post(f"{handle.url}/v1/completions", json=dict(body, stream="yes"), timeout=60)
+    finally:
+        serve.delete("ingress")
+    assert events(text) == events(single.text)
+    streamed = "".join(c["choices"][0]["text"] for c in events(text)[:-1])
+    assert streamed == plain["choices"][0]["text"] == plain_single["choices"][0]["text"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
 
 
 PINS = {"L1": 0, "L2": 1}  # the light users' replicas: index into the sorted live replica ids

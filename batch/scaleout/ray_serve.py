@@ -17,15 +17,17 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
 * ``CountersActor``: ``GlobalCounters`` as a Ray actor (one per deployment, made by ``deploy``).
 * ``ScaleoutClient``: calls the deployment and applies the retry rule: a request whose replica died
   (a Ray actor error) is sent again, to the replicas left, from scratch (tokens so far discarded;
-  the seeded GPU regenerates the same ones). ``Ingress`` serves ``POST /v1/completions``
-  (non-streaming) through it for ``batch serve --replicas N``.
+  the seeded GPU regenerates the same ones; a stream skips the tokens it already delivered).
+  ``Ingress`` serves ``POST /v1/completions`` (streaming or not) through it for
+  ``batch serve --replicas N``.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 from ray import serve
@@ -35,6 +37,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
 from batch.scaleout.router import ReplicaLoad, Router, check_pins
 from batch.server.engine import Engine, SeededGPU, ServedRequest
+from batch.server.sse import DONE, ChunkFormat, error_event
+from batch.server.tokenizer import IncrementalDecoder
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 
@@ -55,7 +59,7 @@ RETRYABLE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.
 
 #: The ``EngineReplica`` methods that carry a request: counted as sent by the router (others, such
 #: as ``service``, are routed, by their body's user when pinned, but never counted as load).
-_REQUEST_METHODS = frozenset({"generate"})
+_REQUEST_METHODS = frozenset({"generate", "generate_stream"})
 
 
 def _user_of(pending: PendingRequest | None) -> str | None:
@@ -235,32 +239,85 @@ class EngineReplica:
             body: ``{"user": str, "prompt": list[int], "max_tokens": int, "request_id": str}``.
 
         Returns:
-            ``{"request_id", "tokens", "finish_reason", "replica", "actor_name", "ttft_s"}``, or
-            with ``"error"`` (a message) when the scheduler refused it; ``ttft_s`` is the first
-            token's time after submit on this replica, seconds.
-        """
-        self._ensure_started()
-        self.received += 1
-        user = str(body["user"])
-        self._by_user[user] = self._by_user.get(user, 0) + 1
-        self._received_by_user[user] = self._received_by_user.get(user, 0) + 1
-        try:
-            return await self._generate(body)
-        finally:
-            self._by_user[user] -= 1
-            if not self._by_user[user]:
-                del self._by_user[user]
+            ``{"request_id", "tokens", "finish_reason", "replica", "actor_name", "ttft_s",
+            "prompt_tokens", "completion_tokens"}``, or with ``"error"`` (a message) when the
+            scheduler refused it; ``ttft_s`` is the first token's time after submit on this
+            replica, seconds. If the caller is cancelled, the request is aborted.
 
-    async def _generate(self, body: dict) -> dict:
+        Raises:
+            KeyError, ValueError, TypeError: a body without ``user``, ``prompt`` or
+                ``max_tokens``, or with values that are not ints where ints are due.
+        """
+        req = self._received(body)
+        try:
+            sink = self.engine.submit(req, stream=False)
+            try:
+                await sink.finished.wait()
+            finally:
+                if not sink.done:  # the caller went away (cancelled): free its blocks
+                    self.engine.abort(sink)
+            return self._final(req, sink.final, list(req.generated))
+        finally:
+            self._ended(req.user_id)
+
+    async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
+        """Run one request, yielding its tokens as they come (call with ``handle.options(stream=True)``).
+
+        Args:
+            body: as ``generate``'s.
+
+        Yields:
+            ``{"tokens": [new token ids]}`` per batch of tokens the engine handed over, then one
+            last ``{"tokens": [...], "finish_reason", "request_id", "replica", "actor_name",
+            "ttft_s", "prompt_tokens", "completion_tokens"}`` (with ``"error"``, a message, when
+            the scheduler refused it). The concatenated ``tokens`` are the request's output. If
+            the caller stops reading (the generator is closed), the request is aborted.
+        """
+        req = self._received(body)
+        try:
+            sink = self.engine.submit(req, stream=True)
+            q = sink.queue
+            try:
+                while True:
+                    evs = [await q.get()]
+                    while not q.empty():
+                        evs.append(q.get_nowait())
+                    toks = [ev.token for ev in evs if ev.token is not None]
+                    end = next((ev for ev in evs if ev.finish_reason is not None), None)
+                    if end is not None:
+                        yield self._final(req, end, toks)
+                        return
+                    yield {"tokens": toks}
+            finally:
+                if not sink.done:
+                    self.engine.abort(sink)
+        finally:
+            self._ended(req.user_id)
+
+    def _received(self, body: dict) -> ServedRequest:
+        """Count a request as received here (the router's ``received`` and per-user counts) and
+        build it; starts the engine on the first."""
+        self._ensure_started()
+        self.received += 1  # first: a body that fails below was still received (the router's in-transit count)
         prompt = [int(t) for t in body["prompt"]]
         req = ServedRequest(user_id=str(body["user"]), prompt=prompt, max_tokens=int(body["max_tokens"]),
                             request_id=str(body.get("request_id", "")), seed_key=SeededGPU.prompt_key(prompt))
-        sink = self.engine.submit(req, stream=False)
-        await sink.finished.wait()
-        ev = sink.final
-        out = {"request_id": req.request_id, "tokens": list(req.generated), "finish_reason": ev.finish_reason,
+        user = req.user_id
+        self._by_user[user] = self._by_user.get(user, 0) + 1
+        self._received_by_user[user] = self._received_by_user.get(user, 0) + 1
+        return req
+
+    def _ended(self, user: str) -> None:
+        self._by_user[user] -= 1
+        if not self._by_user[user]:
+            del self._by_user[user]
+
+    def _final(self, req: ServedRequest, ev: Any, tokens: list[int]) -> dict:
+        """The answer's last message: ``tokens`` (all of them, or the last chunk's) and the request's facts."""
+        out = {"request_id": req.request_id, "tokens": tokens, "finish_reason": ev.finish_reason,
                "replica": self.replica_id, "actor_name": self.actor_name,
-               "ttft_s": None if req.started_at is None else req.started_at - req.submitted_at}
+               "ttft_s": None if req.started_at is None else req.started_at - req.submitted_at,
+               "prompt_tokens": len(req.prompt), "completion_tokens": len(req.generated)}
         if ev.error is not None:
             out["error"] = str(ev.error)
         return out
@@ -332,11 +389,74 @@ class ScaleoutClient:
             return out
         raise AssertionError("unreachable")
 
+    async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
+        """The deployment's stream for ``body`` (``EngineReplica.generate_stream``), with the retry
+        rule: if the replica dies mid-stream, the request is sent again (to the replicas left) and
+        the first ``k`` tokens of the new stream are skipped, ``k`` the tokens already yielded.
+        That is right because the backend is deterministic (the seeded simulated GPU: a token is a
+        function of the prompt and its position), so the rerun produces the same tokens; it would
+        not be with sampling. Each token is yielded exactly once.
+
+        Yields:
+            ``{"tokens": [...]}`` (only tokens not yielded before; possibly empty), then the last
+            message of ``EngineReplica.generate_stream`` with ``"tries"`` added (its ``tokens``
+            likewise only the new ones).
+
+        Raises:
+            the last ``RETRYABLE`` error after ``max_tries`` attempts (tokens may have been
+            yielded before it).
+        """
+        delivered = 0  # tokens yielded to our caller, over all attempts
+        stream_handle = self.handle.options(stream=True)
+        for attempt in range(1, self.max_tries + 1):
+            seen = 0  # tokens received in this attempt
+            try:
+                async for msg in stream_handle.generate_stream.remote(body):
+                    toks = msg["tokens"]
+                    new = toks[max(0, delivered - seen):]  # skip what an earlier attempt delivered
+                    seen += len(toks)
+                    delivered += len(new)
+                    msg = dict(msg, tokens=new)
+                    if "finish_reason" in msg:
+                        msg["tries"] = attempt
+                        yield msg
+                        return
+                    yield msg
+            except RETRYABLE:
+                if attempt == self.max_tries:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(self.retry_wait_s)
+                continue
+            raise RuntimeError("the replica's stream ended without a last message")  # a replica bug, not a death
+        raise AssertionError("unreachable")
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None) -> Any:
+    """An OpenAI-shaped error response (``{"error": {message, type, param, code}}``)."""
+    from starlette.responses import JSONResponse  # noqa: PLC0415
+
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": status}},
+                        status_code=status)
+
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
 class Ingress:
-    """``POST /v1/completions`` (non-streaming; ``prompt`` text, ``max_tokens``, ``user``) over the
-    replicas, answered OpenAI-style; ``GET /health``."""
+    """``POST /v1/completions`` over the replicas, answered OpenAI-style, streaming or not;
+    ``GET /health``.
+
+    Body fields: ``prompt`` (text), ``max_tokens`` (int >= 1, default 16), ``user`` (the fairness
+    key; default ``"anonymous"``), ``stream`` (bool), ``stream_options.include_usage`` (bool). A
+    streamed answer is the single-process server's chunks (``batch.server.sse``); it starts once the
+    first message of the replica's stream arrives, so a refused request is a 400 either way. A
+    replica dying mid-stream is retried with the tokens already sent skipped
+    (``ScaleoutClient.generate_stream``); if the retries run out, the stream ends with an error
+    event (503) and ``[DONE]``; before any answer, a 503.
+
+    Args:
+        replicas: the ``EngineReplica`` deployment's handle.
+        model_name: the ``model`` of every answer.
+    """
 
     def __init__(self, replicas: Any, model_name: str = "batch-sim") -> None:
         from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
@@ -344,31 +464,120 @@ class Ingress:
         self.client = ScaleoutClient(replicas)
         self.tok = WordTokenizer(0)
         self.model_name = model_name
+        self._model_json = json.dumps(model_name)
         self._n = 0
 
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse  # noqa: PLC0415
+        """Route one HTTP request (Serve's ingress call)."""
+        from starlette.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
 
-        if request.method == "GET":
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path == "/health":
             return JSONResponse({"status": "ok"})
+        if request.method != "POST" or path != "/v1/completions":
+            return _error(404, f"no route {request.method} {request.url.path}")
         try:
             body = await request.json()
-            prompt = self.tok.encode(str(body["prompt"]))
-            max_tokens = int(body.get("max_tokens", 16))
-        except Exception as e:  # noqa: BLE001 - a malformed body is the client's error
-            return JSONResponse({"error": {"message": f"bad request: {e!r}"}}, status_code=400)
+            payload, stream, include_usage = self._parse(body)
+        except ValueError as e:  # JSONDecodeError is one
+            return _error(400, f"bad request: {e}", param=getattr(e, "param", None))
         self._n += 1
-        rid = f"cmpl-{self._n}"
-        out = await self.client.generate({"user": str(body.get("user") or "anonymous"), "prompt": prompt,
-                                          "max_tokens": max_tokens, "request_id": rid})
+        rid = payload["request_id"] = f"cmpl-{self._n}"
+        if stream:
+            return await self._stream(payload, include_usage, StreamingResponse)
+        try:
+            out = await self.client.generate(payload)
+        except RETRYABLE as e:
+            return _error(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
+                          type="service_unavailable")
         if "error" in out:
-            return JSONResponse({"error": {"message": out["error"]}}, status_code=400)
+            return _error(400, out["error"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name,
                              "choices": [{"index": 0, "text": self.tok.decode(out["tokens"]),
                                           "finish_reason": out["finish_reason"]}],
-                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out["tokens"])},
+                             "usage": {"prompt_tokens": len(payload["prompt"]),
+                                       "completion_tokens": len(out["tokens"])},
                              "batch": {"replica": out["replica"], "tries": out["tries"]}})
+
+    def _parse(self, body: Any) -> tuple[dict, bool, bool]:
+        """``(replica body, stream, include_usage)`` of a request body.
+
+        Raises:
+            ValueError: not an object; ``prompt`` missing or not text; ``max_tokens`` not an int
+                >= 1; ``user`` not a string; ``stream`` or ``include_usage`` not a bool. The
+                message names the field (also as the error's ``param``).
+        """
+        def bad(param: str, msg: str) -> ValueError:
+            e = ValueError(f"{param}: {msg}")
+            e.param = param  # type: ignore[attr-defined]
+            return e
+
+        if not isinstance(body, dict):
+            raise bad("body", "must be a JSON object")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", "must be a string (this server takes text prompts)")
+        max_tokens = body.get("max_tokens", 16)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise bad("max_tokens", f"must be an int >= 1, got {max_tokens!r}")
+        user = body.get("user") or "anonymous"
+        if not isinstance(user, str):
+            raise bad("user", f"must be a string, got {user!r}")
+        stream = body.get("stream", False)
+        opts = body.get("stream_options") or {}
+        include_usage = opts.get("include_usage", False) if isinstance(opts, dict) else None
+        for param, v in (("stream", stream), ("stream_options.include_usage", include_usage)):
+            if v is not None and not isinstance(v, bool):
+                raise bad(param, f"must be a bool, got {v!r}")
+        return ({"user": user, "prompt": self.tok.encode(prompt), "max_tokens": max_tokens}, bool(stream),
+                bool(include_usage))
+
+    async def _stream(self, payload: dict, include_usage: bool, streaming_response: Any) -> Any:
+        """The streamed answer: waits for the replica's first message (a refusal is a 400, no
+        replica a 503), then the SSE body."""
+        agen = self.client.generate_stream(payload)
+        try:
+            first = await agen.__anext__()
+        except RETRYABLE as e:
+            return _error(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
+                          type="service_unavailable")
+        if "error" in first:
+            await agen.aclose()
+            return _error(400, first["error"])
+        fmt = ChunkFormat(payload["request_id"], int(time.time()), self._model_json, chat=False)
+        return streaming_response(self._sse(first, agen, fmt, len(payload["prompt"]), include_usage),
+                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _sse(self, msg: dict, agen: AsyncIterator[dict], fmt: ChunkFormat, prompt_tokens: int,
+                   include_usage: bool) -> AsyncIterator[str]:
+        """One ``data:`` chunk per token (a message's tokens in one write), the last token's chunk
+        with the finish reason, the usage if asked, ``[DONE]``: the single-process server's."""
+        dec = IncrementalDecoder(self.tok)
+        n_out = 0
+        try:
+            while True:
+                toks = msg["tokens"]
+                n_out += len(toks)
+                if "finish_reason" not in msg:
+                    yield "".join(fmt.chunk(dec.push(t)) for t in toks)
+                    msg = await agen.__anext__()
+                    continue
+                if "error" in msg:
+                    yield error_event(msg["error"], "invalid_request_error", None, 400)
+                else:
+                    head = "".join(fmt.chunk(dec.push(t)) for t in toks[:-1])
+                    last = dec.push(toks[-1]) if toks else ""
+                    yield head + fmt.chunk(last + dec.flush(), msg["finish_reason"])
+                break
+        except RETRYABLE as e:
+            yield error_event(f"the replicas died mid-stream ({self.client.max_tries} tries): {e!r}",
+                              "service_unavailable", None, 503)
+        finally:
+            await agen.aclose()
+        if include_usage:
+            yield fmt.usage(prompt_tokens, n_out)
+        yield DONE
 
 
 def _engines(replicas: int, pin_users: dict[str, int] | None) -> Any:
