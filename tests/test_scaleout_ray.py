@@ -11,13 +11,14 @@ import json
 import random
 import socket
 import statistics
+import time
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the 'scaleout' extra (ray[serve]): make test-scaleout")
 serve = pytest.importorskip("ray.serve")
 
-from batch.scaleout.ray_serve import Ingress, ScaleoutClient, deploy  # noqa: E402
+from batch.scaleout.ray_serve import Ingress, MetricsBoardActor, ScaleoutClient, deploy  # noqa: E402
 from batch.server.engine import SeededGPU, ServedRequest  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 from spec import fairness_rules as fr  # noqa: E402
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 TIME_SCALE = 1.0  # the stub's latency: 5 ms + 1 ms per request an iteration
 KV_CAP_BLOCKS = 96  # a smaller cache than the stub's 256: a burst of 60 requests per user is a backlog
+METRICS_PERIOD_S = 0.2  # the replicas push their metrics to the board this often
 
 
 def free_port() -> int:
@@ -40,8 +42,11 @@ def handle():
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        h, counters = deploy(2, time_scale=TIME_SCALE, period_s=0.05, kv_cap_blocks=KV_CAP_BLOCKS)
+        board = MetricsBoardActor.remote()
+        h, counters = deploy(2, time_scale=TIME_SCALE, period_s=0.05, kv_cap_blocks=KV_CAP_BLOCKS,
+                             metrics_board=board, metrics_period_s=METRICS_PERIOD_S)
         h.url = f"http://127.0.0.1:{port}"
+        h.board = board
         h.counters = counters
         yield h
     finally:
@@ -173,7 +178,18 @@ def test_a_replica_killed_mid_stream_still_yields_each_whole_answer_once(handle)
           f"delivered; each answer whole and once")
 
 
-def test_ingress_streams_the_single_process_servers_chunks(handle):
+@pytest.fixture(scope="module")
+def ingress(handle):
+    """The HTTP ``Ingress`` over the module's replicas (``batch serve --replicas N``'s); its URL."""
+    serve.run(Ingress.bind(handle, metrics_board=handle.board, metrics_period_s=METRICS_PERIOD_S), name="ingress",
+              route_prefix="/")
+    try:
+        yield handle.url
+    finally:
+        serve.delete("ingress")
+
+
+def test_ingress_streams_the_single_process_servers_chunks(ingress):
     # the same prompt on the single-process server (same seed: same tokens) and on the replicas
     # through the Ingress: the same SSE events but for id and created
     from starlette.testclient import TestClient
@@ -198,19 +214,81 @@ def test_ingress_streams_the_single_process_servers_chunks(handle):
         plain_single = c.post("/v1/completions", json=dict(body, stream=False)).json()
     assert single.status_code == 200
 
-    serve.run(Ingress.bind(handle), name="ingress", route_prefix="/")
-    try:
-        with httpx.stream("POST", f"{handle.url}/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            text = r.read().decode()
-        plain = httpx.post(f"{handle.url}/v1/completions", json=dict(body, stream=False), timeout=60).json()
-        bad = httpx.post(f"{handle.url}/v1/completions", json=dict(body, stream="yes"), timeout=60)
-    finally:
-        serve.delete("ingress")
+    with httpx.stream("POST", f"{ingress}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    plain = httpx.post(f"{ingress}/v1/completions", json=dict(body, stream=False), timeout=60).json()
+    bad = httpx.post(f"{ingress}/v1/completions", json=dict(body, stream="yes"), timeout=60)
     assert events(text) == events(single.text)
     streamed = "".join(c["choices"][0]["text"] for c in events(text)[:-1])
     assert streamed == plain["choices"][0]["text"] == plain_single["choices"][0]["text"]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+
+
+def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_retries(ingress):
+    httpx = pytest.importorskip("httpx")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batch.server.metrics import ServerMetrics
+    from batch.server.serve import build_engine
+
+    def scrape() -> dict:
+        r = httpx.get(f"{ingress}/metrics", timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+    def per_replica(fams: dict, name: str, user: str) -> dict[str, float]:
+        return {s.labels["replica"]: s.value for s in fams[name].samples if s.labels.get("user") == user}
+
+    async def post_all(items: list[dict], kill_after_s: float | None = None) -> list[dict]:
+        if kill_after_s is not None:  # the replica to kill: one that is up
+            victim = (await ScaleoutClient(ingress_handle).generate(bodies("W", 1, 4)[0]))["actor_name"]
+        async with httpx.AsyncClient(timeout=120) as c:
+            tasks = [asyncio.ensure_future(c.post(f"{ingress}/v1/completions", json=b)) for b in items]
+            if kill_after_s is not None:  # the replica's death, which the Ingress's client retries
+                await asyncio.sleep(kill_after_s)
+                assert not all(t.done() for t in tasks), "the requests ended before the kill"
+                ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            return [r.json() for r in await asyncio.gather(*tasks)]
+
+    ingress_handle = serve.get_deployment_handle("EngineReplica", app_name="batch")
+    while serve.status().applications["batch"].deployments["EngineReplica"].replica_states.get("RUNNING") != 2:
+        time.sleep(0.1)  # the replacements for the replicas killed by earlier tests
+    bodies_m = [{"prompt": " ".join(f"w{i}{k}" for k in range(3 + i % 7)), "max_tokens": 20 + i, "user": "M"}
+                for i in range(12)]
+    answers = run(post_all(bodies_m))
+    bad = httpx.post(f"{ingress}/v1/completions", json={"prompt": 3}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    want_out = sum(a["usage"]["completion_tokens"] for a in answers)
+    want_prompt = sum(a["usage"]["prompt_tokens"] for a in answers)
+    served_by = {a["batch"]["replica"] for a in answers}
+    for _ in range(200):  # the replicas push every METRICS_PERIOD_S: wait for the pushes after the answers
+        fams = scrape()
+        if sum(per_replica(fams, "batch:generation_tokens", "M").values()) == want_out:
+            break
+        time.sleep(METRICS_PERIOD_S / 2)
+    gen = per_replica(fams, "batch:generation_tokens", "M")
+    assert sum(gen.values()) == want_out and set(gen) == served_by, (gen, want_out, served_by)
+    assert sum(per_replica(fams, "batch:prompt_tokens", "M").values()) == want_prompt
+    single = ServerMetrics(build_engine(time_scale=0.01)[0])
+    assert {f.name for f in text_string_to_metric_families(single.render().decode())} <= set(fams)
+    for name in ("batch:num_requests_running", "batch:time_to_first_token_seconds", "batch:request_success"):
+        assert fams[name].samples and all("replica" in s.labels for s in fams[name].samples), name
+    assert served_by <= {s.labels["replica"] for s in fams["batch:num_requests_running"].samples}
+    assert [s.value for s in fams["batch:client_retries"].samples] == [0]
+    rejected = {s.labels["code"]: s.value for s in fams["batch:request_rejected"].samples if "code" in s.labels}
+    assert rejected.get("400", 0) >= 1  # the bad body above (and the ingress test's, if it ran first)
+    # a replica killed under load: the Ingress's client retries its requests, and counts them
+    bodies_k = [{"prompt": " ".join(f"k{i}{k}" for k in range(3 + i % 7)), "max_tokens": 80 + i % 19, "user": "K"}
+                for i in range(24)]
+    answers_k = run(post_all(bodies_k, kill_after_s=0.3))
+    assert all("error" not in a for a in answers_k), answers_k
+    retried = sum(a["batch"]["tries"] - 1 for a in answers_k)
+    retries = scrape()["batch:client_retries"].samples
+    assert [s.name for s in retries] == ["batch:client_retries_total"]
+    assert retried > 0 and retries[0].value == retried  # only these requests were retried through it
+    print(f"metrics: M's {want_out} output tokens over replicas {sorted(gen.values())}, {len(fams)} families; "
+          f"after a kill, batch:client_retries_total {retries[0].value:.0f}")
 
 
 PINS = {"L1": 0, "L2": 1}  # the light users' replicas: index into the sorted live replica ids

@@ -15,11 +15,14 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
   free KV blocks, then least recently picked); a user pinned by ``deploy(pin_users=...)`` goes to
   the live replica at its index in the sorted replica ids (by load when there is none).
 * ``CountersActor``: ``GlobalCounters`` as a Ray actor (one per deployment, made by ``deploy``).
+* ``MetricsBoardActor``: ``batch.scaleout.metrics.MetricsBoard`` as a Ray actor: each replica keeps
+  the single-process server's ``ServerMetrics`` and pushes its families there every
+  ``metrics_period_s``; the ``Ingress`` renders them on ``GET /metrics`` with a ``replica`` label.
 * ``ScaleoutClient``: calls the deployment and applies the retry rule: a request whose replica died
   (a Ray actor error) is sent again, to the replicas left, from scratch (tokens so far discarded;
   the seeded GPU regenerates the same ones; a stream skips the tokens it already delivered).
-  ``Ingress`` serves ``POST /v1/completions`` (streaming or not) through it for
-  ``batch serve --replicas N``.
+  ``Ingress`` serves ``POST /v1/completions`` (streaming or not), ``GET /health`` and
+  ``GET /metrics`` through it for ``batch serve --replicas N``.
 """
 from __future__ import annotations
 
@@ -36,13 +39,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
 from batch.scaleout.router import ReplicaLoad, Router, check_pins
+from batch.scaleout.metrics import MetricsBoard, render_replicas
 from batch.server.engine import Engine, SeededGPU, ServedRequest
+from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 
-__all__ = ["CountersActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress", "deploy",
+__all__ = ["CountersActor", "MetricsBoardActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress", "deploy",
            "serve_http", "RETRYABLE"]
 
 #: No ``max_restarts``: the store is in memory, so a restarted actor would start from empty totals,
@@ -50,6 +55,9 @@ __all__ = ["CountersActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClie
 #: totals caught up. If it dies, each replica keeps scheduling on its frozen offsets plus its own
 #: counters, keeps its deltas (``_unsent``) and retries every period (docs/scale-out.md, section 1).
 CountersActor = ray.remote(num_cpus=0)(GlobalCounters)
+
+#: The replicas' latest metric snapshots, for the ingress's ``/metrics`` (``batch.scaleout.metrics``).
+MetricsBoardActor = ray.remote(num_cpus=0)(MetricsBoard)
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +165,22 @@ class EngineReplica:
         period_s: counter sync period, seconds (> 0).
         weights: per-user weights (the same on every replica).
         kv_cap_blocks: KV cache blocks (default the stub's 256).
+        metrics_board: a ``MetricsBoardActor`` handle: the replica keeps the single-process
+            server's metrics (``ServerMetrics``) and pushes a snapshot there every
+            ``metrics_period_s``; ``None``: no metrics kept.
+        metrics_period_s: seconds between metrics pushes (> 0).
+
+    Raises:
+        ValueError: ``period_s`` or ``metrics_period_s`` not > 0.
     """
 
     def __init__(self, counters: Any = None, *, time_scale: float = 1.0, seed: int = 0, period_s: float = 0.05,
-                 weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None) -> None:
+                 weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
+                 metrics_board: Any = None, metrics_period_s: float = 1.0) -> None:
         if not period_s > 0:
             raise ValueError(f"period_s must be > 0 seconds, got {period_s!r}")
+        if not metrics_period_s > 0:
+            raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.policy = GlobalVTCPolicy(replica_id=self.replica_id, weights=weights or {})
@@ -170,6 +188,12 @@ class EngineReplica:
         sched = Scheduler(backend=SeededGPU(time_scale=time_scale, seed=seed), policy=self.policy,
                           record_itl=False, max_backend_tries=3, **kw)
         self.engine = Engine(sched)
+        self.metrics_board = metrics_board
+        self.metrics_period_s = metrics_period_s
+        self.metrics: ServerMetrics | None = None
+        if metrics_board is not None:
+            self.metrics = ServerMetrics(self.engine, known_users=tuple(weights or {}))
+            self.engine.on_tick = self.metrics.observe_tick
         self.counters = counters
         self.period_s = period_s
         self.received = 0
@@ -178,6 +202,7 @@ class EngineReplica:
         self._by_user: dict[str, int] = {}  # user -> its requests here not finished
         self._received_by_user: dict[str, int] = {}  # user -> its requests received here (all time)
         self._task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None
         if counters is not None:  # a replacement or late replica: the others' service now, not 0 until a sync
             try:
                 self.policy.set_offsets(ray.get(counters.others.remote(self.replica_id), timeout=5.0))
@@ -189,6 +214,27 @@ class EngineReplica:
             loop = asyncio.get_running_loop()
             self.engine.start(loop)
             self._task = loop.create_task(self._sync_forever())
+            if self.metrics_board is not None:
+                self._metrics_task = loop.create_task(self._push_metrics_forever())
+
+    async def _push_metrics_forever(self) -> None:
+        """At once, then every ``metrics_period_s``: this replica's metric families (collected on
+        the event loop, where ``observe_tick`` runs) to the board. A failed push is logged once per
+        streak and retried next period."""
+        failing = 0
+        while True:
+            try:
+                await self.metrics_board.put.remote(self.replica_id, list(self.metrics.registry.collect()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the board dead or unreachable: metrics only
+                if not failing:
+                    log.warning("replica %s: metrics push failed (%r); retrying every %s s", self.replica_id, e,
+                                self.metrics_period_s)
+                failing += 1
+            else:
+                failing = 0
+            await asyncio.sleep(self.metrics_period_s)
 
     async def _sync_forever(self) -> None:
         """At once (the engine's start), then every ``period_s``: take the deltas on the engine
@@ -303,6 +349,8 @@ class EngineReplica:
         req = ServedRequest(user_id=str(body["user"]), prompt=prompt, max_tokens=int(body["max_tokens"]),
                             request_id=str(body.get("request_id", "")), seed_key=SeededGPU.prompt_key(prompt))
         user = req.user_id
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(self.metrics.user_label(user)).inc(len(prompt))
         self._by_user[user] = self._by_user.get(user, 0) + 1
         self._received_by_user[user] = self._received_by_user.get(user, 0) + 1
         return req
@@ -453,34 +501,61 @@ class Ingress:
     (``ScaleoutClient.generate_stream``); if the retries run out, the stream ends with an error
     event (503) and ``[DONE]``; before any answer, a 503.
 
+    ``GET /metrics``: every replica's ``ServerMetrics`` families (the single-process server's) with
+    a ``replica`` label, from the latest snapshot each pushed to ``metrics_board`` (at most
+    ``metrics_period_s`` old; a replica whose last push is older than ``10 * metrics_period_s`` is
+    left out), plus the ingress's own ``batch:client_retries_total`` (requests or streams sent
+    again after their replica died) and ``batch:request_rejected_total{code}`` (its error
+    answers; the replicas' family of that name stays empty, since they answer no HTTP).
+
     Args:
         replicas: the ``EngineReplica`` deployment's handle.
         model_name: the ``model`` of every answer.
+        metrics_board: the ``MetricsBoardActor`` the replicas push to (``None``: ``/metrics``
+            has the ingress's own families only).
+        metrics_period_s: the replicas' push period, seconds (> 0).
+
+    Raises:
+        ValueError: ``metrics_period_s`` not > 0.
     """
 
-    def __init__(self, replicas: Any, model_name: str = "batch-sim") -> None:
+    def __init__(self, replicas: Any, model_name: str = "batch-sim", metrics_board: Any = None,
+                 metrics_period_s: float = 1.0) -> None:
         from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
 
+        if not metrics_period_s > 0:
+            raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
         self.client = ScaleoutClient(replicas)
         self.tok = WordTokenizer(0)
         self.model_name = model_name
         self._model_json = json.dumps(model_name)
+        self.metrics_board = metrics_board
+        self.metrics_max_age_s = 10 * metrics_period_s
+        self.rejected: dict[int, int] = {}  # HTTP status -> error answers
         self._n = 0
+
+    def _reject(self, status: int, message: str, type: str = "invalid_request_error",
+                param: str | None = None) -> Any:
+        """An error answer, counted in ``batch:request_rejected_total{code}``."""
+        self.rejected[status] = self.rejected.get(status, 0) + 1
+        return _error(status, message, type, param)
 
     async def __call__(self, request: Any) -> Any:
         """Route one HTTP request (Serve's ingress call)."""
-        from starlette.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
+        from starlette.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
 
         path = request.url.path.rstrip("/")
         if request.method == "GET" and path == "/health":
             return JSONResponse({"status": "ok"})
+        if request.method == "GET" and path == "/metrics":
+            return Response(await self.metrics_text(), media_type=CONTENT_TYPE)
         if request.method != "POST" or path != "/v1/completions":
-            return _error(404, f"no route {request.method} {request.url.path}")
+            return self._reject(404, f"no route {request.method} {request.url.path}")
         try:
             body = await request.json()
             payload, stream, include_usage = self._parse(body)
         except ValueError as e:  # JSONDecodeError is one
-            return _error(400, f"bad request: {e}", param=getattr(e, "param", None))
+            return self._reject(400, f"bad request: {e}", param=getattr(e, "param", None))
         self._n += 1
         rid = payload["request_id"] = f"cmpl-{self._n}"
         if stream:
@@ -488,10 +563,10 @@ class Ingress:
         try:
             out = await self.client.generate(payload)
         except RETRYABLE as e:
-            return _error(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
-                          type="service_unavailable")
+            return self._reject(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
+                                type="service_unavailable")
         if "error" in out:
-            return _error(400, out["error"])
+            return self._reject(400, out["error"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name,
                              "choices": [{"index": 0, "text": self.tok.decode(out["tokens"]),
@@ -499,6 +574,23 @@ class Ingress:
                              "usage": {"prompt_tokens": len(payload["prompt"]),
                                        "completion_tokens": len(out["tokens"])},
                              "batch": {"replica": out["replica"], "tries": out["tries"]}})
+
+    async def metrics_text(self) -> bytes:
+        """The ``/metrics`` text: the replicas' latest snapshots (``replica`` label) and the
+        ingress's own families (``batch.scaleout.metrics.render_replicas``)."""
+        from prometheus_client.core import CounterMetricFamily  # noqa: PLC0415
+
+        snapshots = {}
+        if self.metrics_board is not None:
+            snapshots = await self.metrics_board.snapshots.remote(self.metrics_max_age_s)
+        retries = CounterMetricFamily("batch:client_retries", "Requests or streams sent again because their "
+                                      "replica died (ScaleoutClient's retry rule).", value=self.client.retries)
+        rejected = CounterMetricFamily("batch:request_rejected", "Requests refused, by HTTP status.",
+                                       labels=["code"])
+        for code, n in sorted(self.rejected.items()):
+            rejected.add_metric([str(code)], n)
+        own = [retries, rejected]
+        return await asyncio.get_running_loop().run_in_executor(None, render_replicas, snapshots, own)
 
     def _parse(self, body: Any) -> tuple[dict, bool, bool]:
         """``(replica body, stream, include_usage)`` of a request body.
@@ -540,11 +632,11 @@ class Ingress:
         try:
             first = await agen.__anext__()
         except RETRYABLE as e:
-            return _error(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
-                          type="service_unavailable")
+            return self._reject(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
+                                type="service_unavailable")
         if "error" in first:
             await agen.aclose()
-            return _error(400, first["error"])
+            return self._reject(400, first["error"])
         fmt = ChunkFormat(payload["request_id"], int(time.time()), self._model_json, chat=False)
         return streaming_response(self._sse(first, agen, fmt, len(payload["prompt"]), include_usage),
                                   media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -595,7 +687,8 @@ def _engines(replicas: int, pin_users: dict[str, int] | None) -> Any:
 def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: float = 0.05,
            weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None, share: bool = True,
            name: str = "batch", observe_gap: bool = False,
-           pin_users: dict[str, int] | None = None) -> tuple[Any, Any]:
+           pin_users: dict[str, int] | None = None, metrics_board: Any = None,
+           metrics_period_s: float = 1.0) -> tuple[Any, Any]:
     """Start the counters actor and ``replicas`` engine replicas on the running Ray instance.
 
     Args:
@@ -610,6 +703,8 @@ def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: f
         pin_users: user -> replica index (``BatchRequestRouter.initialize_state``): the user's
             requests go to the live replica at that index in the sorted live replica ids, or by
             load when there is none.
+        metrics_board, metrics_period_s: a ``MetricsBoardActor`` the replicas push their metrics
+            to every ``metrics_period_s`` seconds (``EngineReplica``; ``None``: no metrics).
 
     Returns:
         ``(deployment handle, counters actor or None)``.
@@ -623,28 +718,41 @@ def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: f
     if counters is not None and observe_gap:
         ray.get(counters.observe_gap.remote(2 * period_s + 0.05))
     app = engines.bind(counters, time_scale=time_scale, seed=seed, period_s=period_s, weights=weights,
-                       kv_cap_blocks=kv_cap_blocks)
+                       kv_cap_blocks=kv_cap_blocks, metrics_board=metrics_board, metrics_period_s=metrics_period_s)
     handle = serve.run(app, name=name, route_prefix=None)
     return handle, counters
 
 
 def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time_scale: float = 1.0, seed: int = 0,
                period_s: float = 0.05, weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
-               num_cpus: int | None = None) -> None:
-    """``batch serve --replicas N``: a local Ray instance, the counters actor, ``replicas`` engine
-    replicas and the ``Ingress`` on ``http://host:port/v1/completions``; blocks until interrupted.
+               num_cpus: int | None = None, metrics_period_s: float = 1.0) -> None:
+    """``batch serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
+    ``replicas`` engine replicas and the ``Ingress`` on ``http://host:port`` (``/v1/completions``,
+    ``/health``, ``/metrics``); blocks until interrupted.
+
+    Args:
+        replicas: engine replicas (int >= 1).
+        host, port: where the HTTP proxy listens.
+        time_scale, seed, period_s, weights, kv_cap_blocks: ``EngineReplica``'s.
+        num_cpus: Ray's CPUs (``None``: the machine's).
+        metrics_period_s: seconds between the replicas' metrics pushes (> 0).
 
     Raises:
-        ValueError: ``replicas`` < 1.
+        TypeError: ``replicas`` not an int.
+        ValueError: ``replicas`` < 1; ``metrics_period_s`` not > 0.
     """
+    engines = _engines(replicas, None)
+    if not metrics_period_s > 0:
+        raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": host, "port": port})
         counters = CountersActor.remote()
-        engines = EngineReplica.options(num_replicas=replicas).bind(counters, time_scale=time_scale, seed=seed,
-                                                                    period_s=period_s, weights=weights,
-                                                                    kv_cap_blocks=kv_cap_blocks)
-        serve.run(Ingress.bind(engines), name="batch", route_prefix="/", blocking=True)
+        board = MetricsBoardActor.remote()
+        app = engines.bind(counters, time_scale=time_scale, seed=seed, period_s=period_s, weights=weights,
+                           kv_cap_blocks=kv_cap_blocks, metrics_board=board, metrics_period_s=metrics_period_s)
+        serve.run(Ingress.bind(app, metrics_board=board, metrics_period_s=metrics_period_s), name="batch",
+                  route_prefix="/", blocking=True)
     finally:
         serve.shutdown()
         ray.shutdown()
