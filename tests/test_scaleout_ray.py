@@ -1,9 +1,12 @@
 """Two Batch replicas on Ray Serve (batch/scaleout/ray_serve.py) on a local Ray with 2 CPUs and the
 simulated GPU at the stub's latency: a replica killed mid-run loses nothing (its requests are
 retried on the other from scratch and come back with the same tokens), the A/B burst over both
-replicas keeps B's median TTFT within 1.5x of alone, and a flooding user gets no more than its share
-of either replica when each light user is pinned to one replica, which holds only with the shared
-counters (the same run without them is the control). Skipped without the ``scaleout`` extra (``make test-scaleout`` installs it)."""
+replicas keeps B's median TTFT within 1.5x of alone, streams give the non-streaming answer and
+survive a kill mid-stream with each token once, a stream its caller abandons is aborted, the
+Ingress streams the single-process server's chunks and serves /metrics per replica, and a
+flooding user gets no more than its share of either replica when each light user is pinned to one
+replica, which holds only with the shared counters (the same run without them is the control).
+Skipped without the ``scaleout`` extra (``make test-scaleout`` installs it)."""
 from __future__ import annotations
 
 import asyncio
@@ -176,6 +179,33 @@ def test_a_replica_killed_mid_stream_still_yields_each_whole_answer_once(handle)
     assert mid_stream > 0 and client.retries >= retried, "the kill cut no stream in the middle"
     print(f"kill mid-stream: {len(out)} streams, {retried} retried, {mid_stream} of them after tokens were "
           f"delivered; each answer whole and once")
+
+
+def test_a_stream_its_caller_stops_reading_is_aborted_on_its_replica(handle):
+    client = ScaleoutClient(handle)
+
+    def aborts() -> float:
+        snaps = ray.get(handle.board.snapshots.remote(60.0))
+        return sum(smp.value for fams in snaps.values() for f in fams if f.name == "batch:request_success"
+                   for smp in f.samples if smp.labels.get("finished_reason") == "abort")
+
+    before = aborts()
+
+    async def main():
+        agen = client.generate_stream(dict(bodies("X", 1, 9, max_tokens=(99, 99))[0]))
+        first = await agen.__anext__()
+        while not first["tokens"]:
+            first = await agen.__anext__()
+        await agen.aclose()  # the caller goes away after its first tokens
+        return first
+
+    first = run(main())
+    assert "finish_reason" not in first
+    for _ in range(100):  # the replica's metrics reach the board every METRICS_PERIOD_S
+        if aborts() > before:
+            break
+        time.sleep(METRICS_PERIOD_S / 2)
+    assert aborts() == before + 1, "the replica ran the abandoned request on"
 
 
 @pytest.fixture(scope="module")

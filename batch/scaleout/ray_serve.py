@@ -458,24 +458,31 @@ class ScaleoutClient:
         stream_handle = self.handle.options(stream=True)
         for attempt in range(1, self.max_tries + 1):
             seen = 0  # tokens received in this attempt
+            response = stream_handle.generate_stream.remote(body)
+            ended = False
             try:
-                async for msg in stream_handle.generate_stream.remote(body):
+                async for msg in response:
                     toks = msg["tokens"]
                     new = toks[max(0, delivered - seen):]  # skip what an earlier attempt delivered
                     seen += len(toks)
                     delivered += len(new)
                     msg = dict(msg, tokens=new)
                     if "finish_reason" in msg:
+                        ended = True
                         msg["tries"] = attempt
                         yield msg
                         return
                     yield msg
             except RETRYABLE:
+                ended = True
                 if attempt == self.max_tries:
                     raise
                 self.retries += 1
                 await asyncio.sleep(self.retry_wait_s)
                 continue
+            finally:
+                if not ended:  # our caller stopped reading (or an error): stop the replica's generator
+                    response.cancel()
             raise RuntimeError("the replica's stream ended without a last message")  # a replica bug, not a death
         raise AssertionError("unreachable")
 
