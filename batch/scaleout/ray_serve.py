@@ -38,8 +38,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
-from batch.scaleout.router import ReplicaLoad, Router, check_pins
 from batch.scaleout.metrics import MetricsBoard, render_replicas
+from batch.scaleout.router import ReplicaLoad, Router, check_pins
 from batch.server.engine import Engine, SeededGPU, ServedRequest
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.sse import DONE, ChunkFormat, error_event
@@ -47,8 +47,8 @@ from batch.server.tokenizer import IncrementalDecoder
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 
-__all__ = ["CountersActor", "MetricsBoardActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress", "deploy",
-           "serve_http", "RETRYABLE"]
+__all__ = ["CountersActor", "MetricsBoardActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress",
+           "deploy", "serve_http", "RETRYABLE"]
 
 #: No ``max_restarts``: the store is in memory, so a restarted actor would start from empty totals,
 #: below every replica's offsets (which never go down): sharing would stay frozen until the new
@@ -126,7 +126,7 @@ class BatchRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """The user's pinned replica (``Router.pinned``) or else the least-loaded candidate
         (``Router.score``) first, then the others as a fallback rank. Only request methods
-        (``generate``) are counted as sent."""
+        (``generate``, ``generate_stream``) are counted as sent."""
         if not candidate_replicas:
             return []
         self._sync_replicas(candidate_replicas)
