@@ -10,7 +10,7 @@ import pytest
 from batch.policies.vtc import VTCPolicy
 from batch.scaleout.cluster import GapMeter, LocalCluster
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
-from batch.scaleout.router import NoReplicaError, ReplicaLoad, Router
+from batch.scaleout.router import NoReplicaError, ReplicaLoad, Router, check_pins
 from inference_stub import Request, SimulatedGPU, VirtualClock
 from scheduler import Scheduler
 from spec import fairness_rules as fr
@@ -264,6 +264,36 @@ def test_router_exclude_remove_and_no_replica():
         r.pick(exclude=["a"])
 
 
+def test_router_sends_a_pinned_user_to_its_index_in_the_sorted_ids_whatever_the_load():
+    r = Router(["r2", "r0", "r1"], pin_users={"P": 1, "Q": 5})
+    r.report("r1", ReplicaLoad(waiting=50))  # the most loaded: the load rule would never pick it
+    assert [r.pick("P") for _ in range(3)] == ["r1", "r1", "r1"]  # sorted ids: r0, r1, r2
+    assert r.pick("Q") != "r1"  # index 5 is past the live replicas: the load rule
+    assert r.pick(None) != "r1"
+
+
+def test_router_pin_falls_back_to_the_load_rule_when_its_replica_is_gone_or_excluded():
+    r = Router(["a", "b"], pin_users={"P": 1})
+    r.report("a", ReplicaLoad(waiting=9))
+    assert r.pick("P") == "b"
+    assert r.pick("P", exclude=["b"]) == "a"  # excluded: the only replica left
+    r.remove("b")
+    assert r.pinned("P") is None  # one live replica: there is no index 1
+    assert r.pick("P") == "a"
+    r.add("c")
+    assert r.pinned("P") == "c"  # a replacement takes the index (the pin follows the sorted ids)
+
+
+@pytest.mark.parametrize("pins, error", [
+    ([("P", 0)], TypeError), ({"": 0}, TypeError), ({3: 0}, TypeError), ({"P": "0"}, TypeError),
+    ({"P": True}, TypeError), ({"P": -1}, ValueError)])
+def test_router_refuses_a_bad_pin_with_a_typed_error(pins, error):
+    with pytest.raises(error, match="pin_users"):
+        Router(["a"], pin_users=pins)
+    with pytest.raises(error, match="pin_users"):
+        check_pins(pins)
+
+
 # ---------------------------------------------------------------- the cluster and the retry rule
 
 
@@ -515,3 +545,65 @@ def test_serve_replicas_refuses_api_keys(tmp_path, capsys):
         serve.main(["--replicas", "2", "--config", str(cfg)])
     assert e.value.code == 2
     assert "api_keys" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ---------------------------------------------------------------- /metrics across replicas
+
+
+def test_replica_metrics_render_with_a_replica_label_and_the_single_servers_families():
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batch.scaleout.metrics import render_replicas
+    from batch.server.metrics import ServerMetrics
+    from batch.server.serve import build_engine
+
+    metrics = {rid: ServerMetrics(build_engine(time_scale=0.01)[0]) for rid in ("r0", "r1")}
+    metrics["r0"].generation_tokens.labels("alice").inc(7)
+    metrics["r1"].generation_tokens.labels("alice").inc(5)
+    retries = CounterMetricFamily("batch:client_retries", "Retries.", value=3)
+    text = render_replicas({rid: list(m.registry.collect()) for rid, m in metrics.items()}, [retries]).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    single = {f.name for f in text_string_to_metric_families(metrics["r0"].render().decode())}
+    assert single <= set(fams)  # every family of the single-process server
+    gen = {s.labels["replica"]: s.value for s in fams["batch:generation_tokens"].samples
+           if s.labels.get("user") == "alice"}
+    assert gen == {"r0": 7.0, "r1": 5.0}
+    running = fams["batch:num_requests_running"].samples
+    assert sorted(s.labels["replica"] for s in running) == ["r0", "r1"]
+    assert [s.value for s in fams["batch:client_retries"].samples] == [3.0]
+    assert text.count("# TYPE batch:generation_tokens_total counter") == 1  # one family, both replicas
+
+
+def test_replica_metrics_refuse_a_type_clash_and_a_replica_label():
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from batch.scaleout.metrics import render_replicas
+
+    with pytest.raises(ValueError, match="type"):
+        render_replicas({"r0": [GaugeMetricFamily("x", "x", 1)], "r1": [CounterMetricFamily("x", "x", 1)]})
+    labelled = CounterMetricFamily("y", "y", labels=["replica"])
+    labelled.add_metric(["r9"], 1)
+    with pytest.raises(ValueError, match="replica"):
+        render_replicas({"r0": [labelled]})
+
+
+def test_metrics_board_keeps_each_replicas_latest_snapshot_until_it_is_too_old():
+    pytest.importorskip("prometheus_client")
+    from batch.scaleout.metrics import MetricsBoard
+
+    now = [0.0]
+    board = MetricsBoard(clock=lambda: now[0])
+    board.put("r0", ["old"])
+    board.put("r0", ["new"])
+    now[0] = 4.0
+    board.put("r1", ["b"])
+    assert board.snapshots(max_age_s=5.0) == {"r0": ["new"], "r1": ["b"]}
+    now[0] = 6.0  # r0 stopped pushing (dead): dropped
+    assert board.snapshots(max_age_s=5.0) == {"r1": ["b"]}
+    with pytest.raises(ValueError):
+        board.put("", [])
+    with pytest.raises(ValueError):
+        board.snapshots(max_age_s=0)

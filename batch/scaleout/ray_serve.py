@@ -12,19 +12,25 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
   longest iteration (each ``Engine.call`` waits for the current tick).
 * ``BatchRequestRouter`` (a Serve ``RequestRouter``): ``batch.scaleout.router.Router`` over the
   replicas' reported stats (waiting + in transit + the user's own unfinished requests there, then
-  free KV blocks, then least recently picked).
+  free KV blocks, then least recently picked); a user pinned by ``deploy(pin_users=...)`` goes to
+  the live replica at its index in the sorted replica ids (by load when there is none).
 * ``CountersActor``: ``GlobalCounters`` as a Ray actor (one per deployment, made by ``deploy``).
+* ``MetricsBoardActor``: ``batch.scaleout.metrics.MetricsBoard`` as a Ray actor: each replica keeps
+  the single-process server's ``ServerMetrics`` and pushes its families there every
+  ``metrics_period_s``; the ``Ingress`` renders them on ``GET /metrics`` with a ``replica`` label.
 * ``ScaleoutClient``: calls the deployment and applies the retry rule: a request whose replica died
   (a Ray actor error) is sent again, to the replicas left, from scratch (tokens so far discarded;
-  the seeded GPU regenerates the same ones). ``Ingress`` serves ``POST /v1/completions``
-  (non-streaming) through it for ``batch serve --replicas N``.
+  the seeded GPU regenerates the same ones; a stream skips the tokens it already delivered).
+  ``Ingress`` serves ``POST /v1/completions`` (streaming or not), ``GET /health`` and
+  ``GET /metrics`` through it for ``batch serve --replicas N``.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 from ray import serve
@@ -32,13 +38,17 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy, PendingSync
-from batch.scaleout.router import ReplicaLoad, Router
+from batch.scaleout.metrics import MetricsBoard, render_replicas
+from batch.scaleout.router import ReplicaLoad, Router, check_pins
 from batch.server.engine import Engine, SeededGPU, ServedRequest
+from batch.server.metrics import CONTENT_TYPE, ServerMetrics
+from batch.server.sse import DONE, ChunkFormat, error_event
+from batch.server.tokenizer import IncrementalDecoder
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 
-__all__ = ["CountersActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress", "deploy",
-           "serve_http", "RETRYABLE"]
+__all__ = ["CountersActor", "MetricsBoardActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress",
+           "deploy", "serve_http", "RETRYABLE"]
 
 #: No ``max_restarts``: the store is in memory, so a restarted actor would start from empty totals,
 #: below every replica's offsets (which never go down): sharing would stay frozen until the new
@@ -46,13 +56,22 @@ __all__ = ["CountersActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClie
 #: counters, keeps its deltas (``_unsent``) and retries every period (docs/scale-out.md, section 1).
 CountersActor = ray.remote(num_cpus=0)(GlobalCounters)
 
+#: The replicas' latest metric snapshots, for the ingress's ``/metrics`` (``batch.scaleout.metrics``).
+MetricsBoardActor = ray.remote(num_cpus=0)(MetricsBoard)
+
 log = logging.getLogger(__name__)
 
 #: Errors that mean the replica (its actor) is gone: the client retries elsewhere.
 RETRYABLE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
+#: The ``EngineReplica`` methods that carry a request: counted as sent by the router (others, such
+#: as ``service``, are routed, by their body's user when pinned, but never counted as load).
+_REQUEST_METHODS = frozenset({"generate", "generate_stream"})
+
+
 def _user_of(pending: PendingRequest | None) -> str | None:
+    """The ``user`` of the call's first argument (a body dict), or ``None``."""
     if pending is None or not pending.args or not isinstance(pending.args[0], dict):
         return None
     user = pending.args[0].get("user")
@@ -69,9 +88,21 @@ class BatchRequestRouter(RequestRouter):
     request router when a request ends.
     """
 
-    def initialize_state(self, **kwargs: Any) -> None:
-        """Serve calls this once with ``request_router_kwargs`` (none are used)."""
-        self._router = Router()
+    def initialize_state(self, pin_users: dict[str, int] | None = None, **kwargs: Any) -> None:
+        """Serve calls this once with the deployment's ``request_router_kwargs``.
+
+        Args:
+            pin_users: user -> replica index (``deploy(pin_users=...)``): a pinned user's requests
+                go to the live replica at that index in the sorted order of the live replica ids
+                (Serve's unique ids), whatever its load; if there is no replica at that index
+                (fewer live replicas; the ids shift when one dies or a replacement joins), the
+                load rule decides. Session or prefix affinity; fairness is the counters' job.
+            kwargs: ignored (Serve's own).
+
+        Raises:
+            TypeError, ValueError: a bad ``pin_users`` (``batch.scaleout.router.check_pins``).
+        """
+        self._router = Router(pin_users=pin_users)
 
     def _sync_replicas(self, candidates: list[RunningReplica]) -> None:
         r = self._router
@@ -93,25 +124,37 @@ class BatchRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """The least-loaded candidate first (``Router.score``), then the others as a fallback rank."""
+        """The user's pinned replica (``Router.pinned``) or else the least-loaded candidate
+        (``Router.score``) first, then the others as a fallback rank. Only request methods
+        (``generate``, ``generate_stream``) are counted as sent."""
         if not candidate_replicas:
             return []
         self._sync_replicas(candidate_replicas)
         by_id = {rep.replica_id.unique_id: rep for rep in candidate_replicas}
         user = _user_of(pending_request)
         order = sorted(by_id, key=lambda rid: self._router.score(rid, user))
+        pin = self._router.pinned(user)
+        if pin in by_id:
+            order.remove(pin)
+            order.insert(0, pin)
         # counted as sent now, not in ``on_send_request``: Serve routes a burst's requests in
         # concurrent tasks, which would all see the same counts and pick the same replica. Serve
         # sends to the first rank unless that replica rejects (it does not: no strict
         # max_ongoing_requests), so a count that was not sent is rare and costs one request of bias.
-        self._router.note_sent(order[0], user)
+        if pending_request is not None and pending_request.metadata.call_method in _REQUEST_METHODS:
+            self._router.note_sent(order[0], user)
         return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]] if len(order) > 1 else [[by_id[order[0]]]]
 
 
+def _router_config(pin_users: dict[str, int] | None = None) -> RequestRouterConfig:
+    """``BatchRequestRouter`` with the replicas' load reports every 0.05 s, and ``pin_users``."""
+    return RequestRouterConfig(request_router_class=BatchRequestRouter, request_routing_stats_period_s=0.05,
+                               request_routing_stats_timeout_s=5.0,
+                               request_router_kwargs={"pin_users": pin_users} if pin_users else {})
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=100_000, health_check_period_s=1.0,
-                  request_router_config=RequestRouterConfig(request_router_class=BatchRequestRouter,
-                                                            request_routing_stats_period_s=0.05,
-                                                            request_routing_stats_timeout_s=5.0))
+                  request_router_config=_router_config())
 class EngineReplica:
     """One Batch engine as a Serve replica (see the module doc).
 
@@ -122,12 +165,22 @@ class EngineReplica:
         period_s: counter sync period, seconds (> 0).
         weights: per-user weights (the same on every replica).
         kv_cap_blocks: KV cache blocks (default the stub's 256).
+        metrics_board: a ``MetricsBoardActor`` handle: the replica keeps the single-process
+            server's metrics (``ServerMetrics``) and pushes a snapshot there every
+            ``metrics_period_s``; ``None``: no metrics kept.
+        metrics_period_s: seconds between metrics pushes (> 0).
+
+    Raises:
+        ValueError: ``period_s`` or ``metrics_period_s`` not > 0.
     """
 
     def __init__(self, counters: Any = None, *, time_scale: float = 1.0, seed: int = 0, period_s: float = 0.05,
-                 weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None) -> None:
+                 weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
+                 metrics_board: Any = None, metrics_period_s: float = 1.0) -> None:
         if not period_s > 0:
             raise ValueError(f"period_s must be > 0 seconds, got {period_s!r}")
+        if not metrics_period_s > 0:
+            raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.policy = GlobalVTCPolicy(replica_id=self.replica_id, weights=weights or {})
@@ -135,6 +188,12 @@ class EngineReplica:
         sched = Scheduler(backend=SeededGPU(time_scale=time_scale, seed=seed), policy=self.policy,
                           record_itl=False, max_backend_tries=3, **kw)
         self.engine = Engine(sched)
+        self.metrics_board = metrics_board
+        self.metrics_period_s = metrics_period_s
+        self.metrics: ServerMetrics | None = None
+        if metrics_board is not None:
+            self.metrics = ServerMetrics(self.engine, known_users=tuple(weights or {}))
+            self.engine.on_tick = self.metrics.observe_tick
         self.counters = counters
         self.period_s = period_s
         self.received = 0
@@ -143,6 +202,7 @@ class EngineReplica:
         self._by_user: dict[str, int] = {}  # user -> its requests here not finished
         self._received_by_user: dict[str, int] = {}  # user -> its requests received here (all time)
         self._task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None
         if counters is not None:  # a replacement or late replica: the others' service now, not 0 until a sync
             try:
                 self.policy.take_reply(ray.get(counters.reply.remote(self.replica_id), timeout=5.0))
@@ -154,6 +214,27 @@ class EngineReplica:
             loop = asyncio.get_running_loop()
             self.engine.start(loop)
             self._task = loop.create_task(self._sync_forever())
+            if self.metrics_board is not None:
+                self._metrics_task = loop.create_task(self._push_metrics_forever())
+
+    async def _push_metrics_forever(self) -> None:
+        """At once, then every ``metrics_period_s``: this replica's metric families (collected on
+        the event loop, where ``observe_tick`` runs) to the board. A failed push is logged once per
+        streak and retried next period."""
+        failing = 0
+        while True:
+            try:
+                await self.metrics_board.put.remote(self.replica_id, list(self.metrics.registry.collect()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the board dead or unreachable: metrics only
+                if not failing:
+                    log.warning("replica %s: metrics push failed (%r); retrying every %s s", self.replica_id, e,
+                                self.metrics_period_s)
+                failing += 1
+            else:
+                failing = 0
+            await asyncio.sleep(self.metrics_period_s)
 
     async def _sync_forever(self) -> None:
         """At once (the engine's start), then every ``period_s``: take the deltas on the engine
@@ -206,32 +287,87 @@ class EngineReplica:
             body: ``{"user": str, "prompt": list[int], "max_tokens": int, "request_id": str}``.
 
         Returns:
-            ``{"request_id", "tokens", "finish_reason", "replica", "actor_name", "ttft_s"}``, or
-            with ``"error"`` (a message) when the scheduler refused it; ``ttft_s`` is the first
-            token's time after submit on this replica, seconds.
-        """
-        self._ensure_started()
-        self.received += 1
-        user = str(body["user"])
-        self._by_user[user] = self._by_user.get(user, 0) + 1
-        self._received_by_user[user] = self._received_by_user.get(user, 0) + 1
-        try:
-            return await self._generate(body)
-        finally:
-            self._by_user[user] -= 1
-            if not self._by_user[user]:
-                del self._by_user[user]
+            ``{"request_id", "tokens", "finish_reason", "replica", "actor_name", "ttft_s",
+            "prompt_tokens", "completion_tokens"}``, or with ``"error"`` (a message) when the
+            scheduler refused it; ``ttft_s`` is the first token's time after submit on this
+            replica, seconds. If the caller is cancelled, the request is aborted.
 
-    async def _generate(self, body: dict) -> dict:
+        Raises:
+            KeyError, ValueError, TypeError: a body without ``user``, ``prompt`` or
+                ``max_tokens``, or with values that are not ints where ints are due.
+        """
+        req = self._received(body)
+        try:
+            sink = self.engine.submit(req, stream=False)
+            try:
+                await sink.finished.wait()
+            finally:
+                if not sink.done:  # the caller went away (cancelled): free its blocks
+                    self.engine.abort(sink)
+            return self._final(req, sink.final, list(req.generated))
+        finally:
+            self._ended(req.user_id)
+
+    async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
+        """Run one request, yielding its tokens as they come (call with ``handle.options(stream=True)``).
+
+        Args:
+            body: as ``generate``'s.
+
+        Yields:
+            ``{"tokens": [new token ids]}`` per batch of tokens the engine handed over, then one
+            last ``{"tokens": [...], "finish_reason", "request_id", "replica", "actor_name",
+            "ttft_s", "prompt_tokens", "completion_tokens"}`` (with ``"error"``, a message, when
+            the scheduler refused it). The concatenated ``tokens`` are the request's output. If
+            the caller stops reading (the generator is closed), the request is aborted.
+        """
+        req = self._received(body)
+        try:
+            sink = self.engine.submit(req, stream=True)
+            q = sink.queue
+            try:
+                while True:
+                    evs = [await q.get()]
+                    while not q.empty():
+                        evs.append(q.get_nowait())
+                    toks = [ev.token for ev in evs if ev.token is not None]
+                    end = next((ev for ev in evs if ev.finish_reason is not None), None)
+                    if end is not None:
+                        yield self._final(req, end, toks)
+                        return
+                    yield {"tokens": toks}
+            finally:
+                if not sink.done:
+                    self.engine.abort(sink)
+        finally:
+            self._ended(req.user_id)
+
+    def _received(self, body: dict) -> ServedRequest:
+        """Count a request as received here (the router's ``received`` and per-user counts) and
+        build it; starts the engine on the first."""
+        self._ensure_started()
+        self.received += 1  # first: a body that fails below was still received (the router's in-transit count)
         prompt = [int(t) for t in body["prompt"]]
         req = ServedRequest(user_id=str(body["user"]), prompt=prompt, max_tokens=int(body["max_tokens"]),
                             request_id=str(body.get("request_id", "")), seed_key=SeededGPU.prompt_key(prompt))
-        sink = self.engine.submit(req, stream=False)
-        await sink.finished.wait()
-        ev = sink.final
-        out = {"request_id": req.request_id, "tokens": list(req.generated), "finish_reason": ev.finish_reason,
+        user = req.user_id
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(self.metrics.user_label(user)).inc(len(prompt))
+        self._by_user[user] = self._by_user.get(user, 0) + 1
+        self._received_by_user[user] = self._received_by_user.get(user, 0) + 1
+        return req
+
+    def _ended(self, user: str) -> None:
+        self._by_user[user] -= 1
+        if not self._by_user[user]:
+            del self._by_user[user]
+
+    def _final(self, req: ServedRequest, ev: Any, tokens: list[int]) -> dict:
+        """The answer's last message: ``tokens`` (all of them, or the last chunk's) and the request's facts."""
+        out = {"request_id": req.request_id, "tokens": tokens, "finish_reason": ev.finish_reason,
                "replica": self.replica_id, "actor_name": self.actor_name,
-               "ttft_s": None if req.started_at is None else req.started_at - req.submitted_at}
+               "ttft_s": None if req.started_at is None else req.started_at - req.submitted_at,
+               "prompt_tokens": len(req.prompt), "completion_tokens": len(req.generated)}
         if ev.error is not None:
             out["error"] = str(ev.error)
         return out
@@ -243,8 +379,18 @@ class EngineReplica:
                 "received": self.received, "by_user": dict(self._by_user),
                 "received_by_user": dict(self._received_by_user)}
 
-    async def service(self) -> dict:
-        """This replica's service per user so far (weighted tokens) and its counter offsets."""
+    async def service(self, body: dict | None = None) -> dict:
+        """This replica's service per user so far and its counter offsets.
+
+        Args:
+            body: only for routing: ``{"user": u}`` with ``u`` pinned (``deploy(pin_users=...)``)
+                sends this call to ``u``'s replica; ``None``: the load rule picks one.
+
+        Returns:
+            ``{"replica": id, "granted": {user: weighted tokens}, "offsets": {user: weighted
+            tokens}, "syncs": int}``; ``granted`` counts published and unpublished service, so it
+            is the same measure with or without the counters actor.
+        """
         self._ensure_started()
 
         def read() -> dict:
@@ -293,89 +439,329 @@ class ScaleoutClient:
             return out
         raise AssertionError("unreachable")
 
+    async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
+        """The deployment's stream for ``body`` (``EngineReplica.generate_stream``), with the retry
+        rule: if the replica dies mid-stream, the request is sent again (to the replicas left) and
+        the first ``k`` tokens of the new stream are skipped, ``k`` the tokens already yielded.
+        That is right because the backend is deterministic (the seeded simulated GPU: a token is a
+        function of the prompt and its position), so the rerun produces the same tokens; it would
+        not be with sampling. Each token is yielded exactly once.
+
+        Yields:
+            ``{"tokens": [...]}`` (only tokens not yielded before; possibly empty), then the last
+            message of ``EngineReplica.generate_stream`` with ``"tries"`` added (its ``tokens``
+            likewise only the new ones).
+
+        Raises:
+            the last ``RETRYABLE`` error after ``max_tries`` attempts (tokens may have been
+            yielded before it).
+        """
+        delivered = 0  # tokens yielded to our caller, over all attempts
+        stream_handle = self.handle.options(stream=True)
+        for attempt in range(1, self.max_tries + 1):
+            seen = 0  # tokens received in this attempt
+            response = stream_handle.generate_stream.remote(body)
+            ended = False
+            try:
+                async for msg in response:
+                    toks = msg["tokens"]
+                    new = toks[max(0, delivered - seen):]  # skip what an earlier attempt delivered
+                    seen += len(toks)
+                    delivered += len(new)
+                    msg = dict(msg, tokens=new)
+                    if "finish_reason" in msg:
+                        ended = True
+                        msg["tries"] = attempt
+                        yield msg
+                        return
+                    yield msg
+            except RETRYABLE:
+                ended = True
+                if attempt == self.max_tries:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(self.retry_wait_s)
+                continue
+            finally:
+                if not ended:  # our caller stopped reading (or an error): stop the replica's generator
+                    response.cancel()
+            raise RuntimeError("the replica's stream ended without a last message")  # a replica bug, not a death
+        raise AssertionError("unreachable")
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None) -> Any:
+    """An OpenAI-shaped error response (``{"error": {message, type, param, code}}``)."""
+    from starlette.responses import JSONResponse  # noqa: PLC0415
+
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": status}},
+                        status_code=status)
+
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
 class Ingress:
-    """``POST /v1/completions`` (non-streaming; ``prompt`` text, ``max_tokens``, ``user``) over the
-    replicas, answered OpenAI-style; ``GET /health``."""
+    """``POST /v1/completions`` over the replicas, answered OpenAI-style, streaming or not;
+    ``GET /health``.
 
-    def __init__(self, replicas: Any, model_name: str = "batch-sim") -> None:
+    Body fields: ``prompt`` (text), ``max_tokens`` (int >= 1, default 16), ``user`` (the fairness
+    key; default ``"anonymous"``), ``stream`` (bool), ``stream_options.include_usage`` (bool). A
+    streamed answer is the single-process server's chunks (``batch.server.sse``); it starts once the
+    first message of the replica's stream arrives, so a refused request is a 400 either way. A
+    replica dying mid-stream is retried with the tokens already sent skipped
+    (``ScaleoutClient.generate_stream``); if the retries run out, the stream ends with an error
+    event (503) and ``[DONE]``; before any answer, a 503.
+
+    ``GET /metrics``: every replica's ``ServerMetrics`` families (the single-process server's) with
+    a ``replica`` label, from the latest snapshot each pushed to ``metrics_board`` (at most
+    ``metrics_period_s`` old; a replica whose last push is older than ``10 * metrics_period_s`` is
+    left out), plus the ingress's own ``batch:client_retries_total`` (requests or streams sent
+    again after their replica died) and ``batch:request_rejected_total{code}`` (its error
+    answers; the replicas' family of that name stays empty, since they answer no HTTP).
+
+    Args:
+        replicas: the ``EngineReplica`` deployment's handle.
+        model_name: the ``model`` of every answer.
+        metrics_board: the ``MetricsBoardActor`` the replicas push to (``None``: ``/metrics``
+            has the ingress's own families only).
+        metrics_period_s: the replicas' push period, seconds (> 0).
+
+    Raises:
+        ValueError: ``metrics_period_s`` not > 0.
+    """
+
+    def __init__(self, replicas: Any, model_name: str = "batch-sim", metrics_board: Any = None,
+                 metrics_period_s: float = 1.0) -> None:
         from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
 
+        if not metrics_period_s > 0:
+            raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
         self.client = ScaleoutClient(replicas)
         self.tok = WordTokenizer(0)
         self.model_name = model_name
+        self._model_json = json.dumps(model_name)
+        self.metrics_board = metrics_board
+        self.metrics_max_age_s = 10 * metrics_period_s
+        self.rejected: dict[int, int] = {}  # HTTP status -> error answers
         self._n = 0
 
-    async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse  # noqa: PLC0415
+    def _reject(self, status: int, message: str, type: str = "invalid_request_error",
+                param: str | None = None) -> Any:
+        """An error answer, counted in ``batch:request_rejected_total{code}``."""
+        self.rejected[status] = self.rejected.get(status, 0) + 1
+        return _error(status, message, type, param)
 
-        if request.method == "GET":
+    async def __call__(self, request: Any) -> Any:
+        """Route one HTTP request (Serve's ingress call)."""
+        from starlette.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
+
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path == "/health":
             return JSONResponse({"status": "ok"})
+        if request.method == "GET" and path == "/metrics":
+            return Response(await self.metrics_text(), media_type=CONTENT_TYPE)
+        if request.method != "POST" or path != "/v1/completions":
+            return self._reject(404, f"no route {request.method} {request.url.path}")
         try:
             body = await request.json()
-            prompt = self.tok.encode(str(body["prompt"]))
-            max_tokens = int(body.get("max_tokens", 16))
-        except Exception as e:  # noqa: BLE001 - a malformed body is the client's error
-            return JSONResponse({"error": {"message": f"bad request: {e!r}"}}, status_code=400)
+            payload, stream, include_usage = self._parse(body)
+        except ValueError as e:  # JSONDecodeError is one
+            return self._reject(400, f"bad request: {e}", param=getattr(e, "param", None))
         self._n += 1
-        rid = f"cmpl-{self._n}"
-        out = await self.client.generate({"user": str(body.get("user") or "anonymous"), "prompt": prompt,
-                                          "max_tokens": max_tokens, "request_id": rid})
+        rid = payload["request_id"] = f"cmpl-{self._n}"
+        if stream:
+            return await self._stream(payload, include_usage, StreamingResponse)
+        try:
+            out = await self.client.generate(payload)
+        except RETRYABLE as e:
+            return self._reject(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
+                                type="service_unavailable")
         if "error" in out:
-            return JSONResponse({"error": {"message": out["error"]}}, status_code=400)
+            return self._reject(400, out["error"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name,
                              "choices": [{"index": 0, "text": self.tok.decode(out["tokens"]),
                                           "finish_reason": out["finish_reason"]}],
-                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out["tokens"])},
+                             "usage": {"prompt_tokens": len(payload["prompt"]),
+                                       "completion_tokens": len(out["tokens"])},
                              "batch": {"replica": out["replica"], "tries": out["tries"]}})
+
+    async def metrics_text(self) -> bytes:
+        """The ``/metrics`` text: the replicas' latest snapshots (``replica`` label) and the
+        ingress's own families (``batch.scaleout.metrics.render_replicas``)."""
+        from prometheus_client.core import CounterMetricFamily  # noqa: PLC0415
+
+        snapshots = {}
+        if self.metrics_board is not None:
+            snapshots = await self.metrics_board.snapshots.remote(self.metrics_max_age_s)
+        retries = CounterMetricFamily("batch:client_retries", "Requests or streams sent again because their "
+                                      "replica died (ScaleoutClient's retry rule).", value=self.client.retries)
+        rejected = CounterMetricFamily("batch:request_rejected", "Requests refused, by HTTP status.",
+                                       labels=["code"])
+        for code, n in sorted(self.rejected.items()):
+            rejected.add_metric([str(code)], n)
+        own = [retries, rejected]
+        return await asyncio.get_running_loop().run_in_executor(None, render_replicas, snapshots, own)
+
+    def _parse(self, body: Any) -> tuple[dict, bool, bool]:
+        """``(replica body, stream, include_usage)`` of a request body.
+
+        Raises:
+            ValueError: not an object; ``prompt`` missing or not text; ``max_tokens`` not an int
+                >= 1; ``user`` not a string; ``stream`` or ``include_usage`` not a bool. The
+                message names the field (also as the error's ``param``).
+        """
+        def bad(param: str, msg: str) -> ValueError:
+            e = ValueError(f"{param}: {msg}")
+            e.param = param  # type: ignore[attr-defined]
+            return e
+
+        if not isinstance(body, dict):
+            raise bad("body", "must be a JSON object")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", "must be a string (this server takes text prompts)")
+        max_tokens = body.get("max_tokens", 16)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise bad("max_tokens", f"must be an int >= 1, got {max_tokens!r}")
+        user = body.get("user") or "anonymous"
+        if not isinstance(user, str):
+            raise bad("user", f"must be a string, got {user!r}")
+        stream = body.get("stream", False)
+        opts = body.get("stream_options") or {}
+        include_usage = opts.get("include_usage", False) if isinstance(opts, dict) else None
+        for param, v in (("stream", stream), ("stream_options.include_usage", include_usage)):
+            if v is not None and not isinstance(v, bool):
+                raise bad(param, f"must be a bool, got {v!r}")
+        return ({"user": user, "prompt": self.tok.encode(prompt), "max_tokens": max_tokens}, bool(stream),
+                bool(include_usage))
+
+    async def _stream(self, payload: dict, include_usage: bool, streaming_response: Any) -> Any:
+        """The streamed answer: waits for the replica's first message (a refusal is a 400, no
+        replica a 503), then the SSE body."""
+        agen = self.client.generate_stream(payload)
+        try:
+            first = await agen.__anext__()
+        except RETRYABLE as e:
+            return self._reject(503, f"no replica answered after {self.client.max_tries} tries: {e!r}",
+                                type="service_unavailable")
+        if "error" in first:
+            await agen.aclose()
+            return self._reject(400, first["error"])
+        fmt = ChunkFormat(payload["request_id"], int(time.time()), self._model_json, chat=False)
+        return streaming_response(self._sse(first, agen, fmt, len(payload["prompt"]), include_usage),
+                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _sse(self, msg: dict, agen: AsyncIterator[dict], fmt: ChunkFormat, prompt_tokens: int,
+                   include_usage: bool) -> AsyncIterator[str]:
+        """One ``data:`` chunk per token (a message's tokens in one write), the last token's chunk
+        with the finish reason, the usage if asked, ``[DONE]``: the single-process server's."""
+        dec = IncrementalDecoder(self.tok)
+        n_out = 0
+        try:
+            while True:
+                toks = msg["tokens"]
+                n_out += len(toks)
+                if "finish_reason" not in msg:
+                    yield "".join(fmt.chunk(dec.push(t)) for t in toks)
+                    msg = await agen.__anext__()
+                    continue
+                if "error" in msg:
+                    yield error_event(msg["error"], "invalid_request_error", None, 400)
+                else:
+                    head = "".join(fmt.chunk(dec.push(t)) for t in toks[:-1])
+                    last = dec.push(toks[-1]) if toks else ""
+                    yield head + fmt.chunk(last + dec.flush(), msg["finish_reason"])
+                break
+        except RETRYABLE as e:
+            yield error_event(f"the replicas died mid-stream ({self.client.max_tries} tries): {e!r}",
+                              "service_unavailable", None, 503)
+        finally:
+            await agen.aclose()
+        if include_usage:
+            yield fmt.usage(prompt_tokens, n_out)
+        yield DONE
+
+
+def _engines(replicas: int, pin_users: dict[str, int] | None) -> Any:
+    """``EngineReplica`` with ``replicas`` replicas and the router's ``pin_users`` (checked)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise TypeError(f"replicas must be an int, got {replicas!r}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+    pins = check_pins(pin_users)
+    if not pins:
+        return EngineReplica.options(num_replicas=replicas)
+    return EngineReplica.options(num_replicas=replicas, request_router_config=_router_config(pins))
 
 
 def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: float = 0.05,
            weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None, share: bool = True,
-           name: str = "batch", observe_gap: bool = False) -> tuple[Any, Any]:
+           name: str = "batch", observe_gap: bool = False,
+           pin_users: dict[str, int] | None = None, metrics_board: Any = None,
+           metrics_period_s: float = 1.0) -> tuple[Any, Any]:
     """Start the counters actor and ``replicas`` engine replicas on the running Ray instance.
 
-    ``observe_gap``: the actor measures the counter gap and the bound's terms at every sync
-    (``GapObserver``, window ``2 * period_s + 0.05`` s, which leaves the ticks out of the staleness:
-    the measured ``D`` is an underestimate, docs/scale-out.md section 1; read with ``counters.gap_stats``).
+    Args:
+        replicas: engine replicas (int >= 1).
+        time_scale, seed, period_s, weights, kv_cap_blocks: ``EngineReplica``'s.
+        share: start the counters actor (``False``: each replica runs VTC on its own counters).
+        name: the Serve application's name.
+        observe_gap: the actor measures the counter gap and the bound's terms at every sync
+            (``GapObserver``, window ``2 * period_s + 0.05`` s, which leaves the ticks out of the
+            staleness: the measured ``D`` is an underestimate, docs/scale-out.md section 1; read
+            with ``counters.gap_stats``).
+        pin_users: user -> replica index (``BatchRequestRouter.initialize_state``): the user's
+            requests go to the live replica at that index in the sorted live replica ids, or by
+            load when there is none.
+        metrics_board, metrics_period_s: a ``MetricsBoardActor`` the replicas push their metrics
+            to every ``metrics_period_s`` seconds (``EngineReplica``; ``None``: no metrics).
 
     Returns:
         ``(deployment handle, counters actor or None)``.
 
     Raises:
-        ValueError: ``replicas`` < 1.
+        TypeError: ``replicas`` not an int; a bad ``pin_users`` entry.
+        ValueError: ``replicas`` < 1; a negative pin index.
     """
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+    engines = _engines(replicas, pin_users)
     counters = CountersActor.remote() if share else None
     if counters is not None and observe_gap:
         ray.get(counters.observe_gap.remote(2 * period_s + 0.05))
-    app = EngineReplica.options(num_replicas=replicas).bind(counters, time_scale=time_scale, seed=seed,
-                                                             period_s=period_s, weights=weights,
-                                                             kv_cap_blocks=kv_cap_blocks)
+    app = engines.bind(counters, time_scale=time_scale, seed=seed, period_s=period_s, weights=weights,
+                       kv_cap_blocks=kv_cap_blocks, metrics_board=metrics_board, metrics_period_s=metrics_period_s)
     handle = serve.run(app, name=name, route_prefix=None)
     return handle, counters
 
 
 def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time_scale: float = 1.0, seed: int = 0,
                period_s: float = 0.05, weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
-               num_cpus: int | None = None) -> None:
-    """``batch serve --replicas N``: a local Ray instance, the counters actor, ``replicas`` engine
-    replicas and the ``Ingress`` on ``http://host:port/v1/completions``; blocks until interrupted.
+               num_cpus: int | None = None, metrics_period_s: float = 1.0) -> None:
+    """``batch serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
+    ``replicas`` engine replicas and the ``Ingress`` on ``http://host:port`` (``/v1/completions``,
+    ``/health``, ``/metrics``); blocks until interrupted.
+
+    Args:
+        replicas: engine replicas (int >= 1).
+        host, port: where the HTTP proxy listens.
+        time_scale, seed, period_s, weights, kv_cap_blocks: ``EngineReplica``'s.
+        num_cpus: Ray's CPUs (``None``: the machine's).
+        metrics_period_s: seconds between the replicas' metrics pushes (> 0).
 
     Raises:
-        ValueError: ``replicas`` < 1.
+        TypeError: ``replicas`` not an int.
+        ValueError: ``replicas`` < 1; ``metrics_period_s`` not > 0.
     """
+    engines = _engines(replicas, None)
+    if not metrics_period_s > 0:
+        raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": host, "port": port})
         counters = CountersActor.remote()
-        engines = EngineReplica.options(num_replicas=replicas).bind(counters, time_scale=time_scale, seed=seed,
-                                                                    period_s=period_s, weights=weights,
-                                                                    kv_cap_blocks=kv_cap_blocks)
-        serve.run(Ingress.bind(engines), name="batch", route_prefix="/", blocking=True)
+        board = MetricsBoardActor.remote()
+        app = engines.bind(counters, time_scale=time_scale, seed=seed, period_s=period_s, weights=weights,
+                           kv_cap_blocks=kv_cap_blocks, metrics_board=board, metrics_period_s=metrics_period_s)
+        serve.run(Ingress.bind(app, metrics_board=board, metrics_period_s=metrics_period_s), name="batch",
+                  route_prefix="/", blocking=True)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -10,6 +10,14 @@ requests of the same user the router sent there that have not finished (``done``
 the most free KV blocks; among equals, the replica picked least recently (so a burst that arrives
 before any report is spread round robin, not piled on the first replica).
 
+User affinity (``pin_users``): a pinned user's requests go to the replica at its index in the
+sorted order of the live replica ids, and fall back to the rule above when there is no replica at
+that index (fewer live replicas) or it is excluded. The index is into the live set at pick time, so
+when a replica dies or a replacement joins, the pins may move: this is affinity (keep a session's
+requests, and their prefixes, on one replica), not a guarantee of one physical replica. A pinned
+user is not spread over the replicas, which is what the shared counters are for: the other
+replicas' service to a spread user is charged on the pinned replica too (docs/scale-out.md).
+
 Why ``mine``: with load alone, users whose requests arrive in a cycle (A, B, C, D, A, ...) over
 replicas that are equally loaded get routed in the same cycle, so with two replicas A and C land
 only on one and B and D only on the other, and no scheduler can then balance A against B. Counting
@@ -22,13 +30,44 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Mapping
 
-__all__ = ["ReplicaLoad", "Router", "NoReplicaError"]
+__all__ = ["ReplicaLoad", "Router", "NoReplicaError", "check_pins"]
 
 
 class NoReplicaError(RuntimeError):
     """No live replica to send a request to."""
+
+
+def check_pins(pin_users: Mapping[str, int] | None) -> dict[str, int]:
+    """``pin_users`` checked and copied: user -> replica index.
+
+    Args:
+        pin_users: user name (non-empty ``str``) -> index (``int`` >= 0) into the sorted live
+            replica ids; ``None`` for no pins.
+
+    Returns:
+        A new dict (empty for ``None``).
+
+    Raises:
+        TypeError: not a mapping, a user that is not a non-empty string, or an index that is
+            not an int (``bool`` is refused).
+        ValueError: a negative index.
+    """
+    if pin_users is None:
+        return {}
+    if not isinstance(pin_users, Mapping):
+        raise TypeError(f"pin_users must be a mapping user -> replica index, got {type(pin_users).__name__}")
+    out: dict[str, int] = {}
+    for user, index in pin_users.items():
+        if not isinstance(user, str) or not user:
+            raise TypeError(f"pin_users: a user must be a non-empty string, got {user!r}")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"pin_users[{user!r}]: the replica index must be an int, got {index!r}")
+        if index < 0:
+            raise ValueError(f"pin_users[{user!r}]: the replica index must be >= 0, got {index}")
+        out[user] = index
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +98,19 @@ class Router:
     """Picks a replica for each request by load (``pick``), fed by the replicas' reports.
 
     Args:
-        replicas: the replica ids to start with (any hashable; order is the first tie-break).
+        replicas: the replica ids to start with (any hashable; order is the first tie-break;
+            with ``pin_users`` they must also be mutually orderable, e.g. all ``str``).
+        pin_users: user -> replica index: that user's requests go to the live replica at that
+            index in the sorted ids, or by the load rule when there is none (``pinned``).
 
-    Cost: ``pick`` is O(R) for R live replicas.
+    Raises:
+        TypeError, ValueError: a bad ``pin_users`` (``check_pins``).
+
+    Cost: ``pick`` is O(R) for R live replicas; O(R log R) for a pinned user.
     """
 
-    def __init__(self, replicas: Iterable[Hashable] = ()) -> None:
+    def __init__(self, replicas: Iterable[Hashable] = (), pin_users: Mapping[str, int] | None = None) -> None:
+        self.pin_users = check_pins(pin_users)
         self._load: dict[Hashable, ReplicaLoad] = {}
         self._sent: dict[Hashable, int] = {}
         self._last_pick: dict[Hashable, int] = {}
@@ -124,18 +170,38 @@ class Router:
                 mine = load.by_user.get(user, 0) + max(0, transit)
         return (load.waiting + self.pending(replica) + mine, -load.free_kv_blocks, self._last_pick[replica])
 
+    def pinned(self, user: str | None, exclude: Iterable[Hashable] = ()) -> Hashable | None:
+        """The replica ``user`` is pinned to now, or ``None`` (not pinned; no live replica at its
+        index; or that replica is in ``exclude``): then the load rule decides.
+
+        Departs from the load rule on purpose: a pinned user's requests all go to one replica
+        whatever its load; fairness between users is left to the (shared) counters.
+        """
+        index = self.pin_users.get(user) if user is not None else None
+        if index is None:
+            return None
+        live = sorted(self._load)  # type: ignore[type-var]
+        if index >= len(live) or live[index] in set(exclude):
+            return None
+        return live[index]
+
     def pick(self, user: str | None = None, exclude: Iterable[Hashable] = ()) -> Hashable:
         """The replica for the next request of ``user``; counts it as sent there.
 
         Args:
             user: the request's user (``None``: load alone). Call ``done(replica, user)`` when
-                the request ends.
+                the request ends. A pinned user (``pin_users``) goes to its replica if there is
+                one (``pinned``), else by load.
             exclude: replicas not to pick (e.g. an affinity constraint).
 
         Raises:
             NoReplicaError: no live replica outside ``exclude``.
         """
         ex = set(exclude)
+        pin = self.pinned(user, ex)
+        if pin is not None:
+            self.note_sent(pin, user)
+            return pin
         best = None
         best_key = None
         for r in self._load:

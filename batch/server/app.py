@@ -46,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
+from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
 from scheduler import RequestError
 
@@ -506,26 +507,18 @@ async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body,
 
 
 async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: one ``data:`` chunk per token (events already queued are sent in one write),
-    a last chunk with the finish reason, a usage chunk if asked, then ``data: [DONE]``. If the
-    client goes away, Starlette cancels this generator and ``finally`` aborts the request."""
+    """The SSE body (``batch.server.sse``): one ``data:`` chunk per token (events already queued
+    are sent in one write), a last chunk with the finish reason, a usage chunk if asked, then
+    ``data: [DONE]``. If the client goes away, Starlette cancels this generator and ``finally``
+    aborts the request."""
     req = sink.request
-    created = int(time.time())  # the response's creation, the same in each of its chunks
-    head = (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-            f'"created":{created},"model":{srv._model_json},"choices":[{{"index":0,')
-    dumps = json.dumps
-
-    def chunk(text: str, reason: str | None) -> str:
-        r = "null" if reason is None else dumps(reason)
-        if chat:
-            return f'{head}"delta":{{"content":{dumps(text)}}},"logprobs":null,"finish_reason":{r}}}]}}\n\n'
-        return f'{head}"text":{dumps(text)},"logprobs":null,"finish_reason":{r}}}]}}\n\n'
-
+    fmt = ChunkFormat(req.request_id, int(time.time()), srv._model_json, chat)  # one creation time for all chunks
+    chunk = fmt.chunk
     dec = IncrementalDecoder(srv.tok)
     q = sink.queue
     try:
         if chat:
-            yield f'{head}"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}\n\n'
+            yield fmt.role()
         final: TokenEvent | None = None
         while final is None:
             evs = [await q.get()]
@@ -535,8 +528,7 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
             for ev in evs:
                 if ev.error is not None:
                     e = _event_error(ev.error)
-                    err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-                    out.append(f"data: {dumps(err)}\n\n")
+                    out.append(error_event(e.message, e.type, e.param, e.code))
                     final = ev
                     break
                 text = dec.push(ev.token) if ev.token is not None else ""
@@ -547,8 +539,8 @@ async def _stream(srv: _Server, sink: TokenSink, chat: bool, include_usage: bool
                 out.append(chunk(text, None))
             yield "".join(out)
         if include_usage:
-            yield (f'data: {{"id":"{req.request_id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                   f'"created":{created},"model":{srv._model_json},"choices":[],"usage":{dumps(_usage(sink))}}}\n\n')
-        yield "data: [DONE]\n\n"
+            u = _usage(sink)
+            yield fmt.usage(u["prompt_tokens"], u["completion_tokens"])
+        yield DONE
     finally:
         srv.abort(sink)

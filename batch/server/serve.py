@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log-level", default="warning")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas (default 1: this process, no Ray); N > 1 runs N replicas on Ray Serve with "
-                        "shared per-user counters, the simulated GPU only, non-streaming /v1/completions "
+                        "shared per-user counters, the simulated GPU only, /v1/completions (streaming or not), /metrics "
                         "(the scaleout extra; docs/scale-out.md)")
     p.add_argument("--counter-period", type=_positive_float, default=0.05,
                    help="with --replicas N: seconds between counter syncs (default 0.05)")
