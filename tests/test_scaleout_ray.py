@@ -5,7 +5,8 @@ replicas keeps B's median TTFT within 1.5x of alone, streams give the non-stream
 survive a kill mid-stream with each token once, a stream its caller abandons is aborted, the
 Ingress streams the single-process server's chunks and serves /metrics per replica, and a
 flooding user gets no more than its share of either replica when each light user is pinned to one
-replica, which holds only with the shared counters (the same run without them is the control).
+replica, which holds only with the shared counters (the same run without them is the control), and
+a returning user's lift on one replica reaches the other through the counters actor.
 Skipped without the ``scaleout`` extra (``make test-scaleout`` installs it)."""
 from __future__ import annotations
 
@@ -385,3 +386,36 @@ def test_a_flooding_user_gets_a_third_of_each_replica_only_with_shared_counters(
     else:  # the control: without sharing each replica splits between F and its light user (about 1/2),
         # so the shared run's assertion fails on both replicas: the test measures the sharing
         assert min(shares) > SHARED_BOUND + 0.02, shares
+
+
+def test_a_lift_on_one_replica_reaches_the_other_through_the_counters_actor(handle):
+    # F floods both replicas; once F has been served for a while, B (pinned to replica 0) sends one
+    # request: B returns behind F there, so replica 0 lifts it. The lift level is published with
+    # the next sync (docs/scale-out.md section 1): the actor holds it, and replica 1, where B never
+    # sent anything, reads it at its own next sync, so its view of B includes the lift.
+    name = "lift"
+    h, counters = deploy(2, time_scale=TIME_SCALE, period_s=0.05, kv_cap_blocks=KV_CAP_BLOCKS, name=name,
+                         pin_users={"B": 0, "P": 1})
+    try:
+        client = ScaleoutClient(h)
+
+        async def main():
+            flood = [asyncio.ensure_future(client.generate(b)) for b in bodies("F", 100, 7)]
+            await asyncio.sleep(1.0)  # F served for a second, still backlogged on both replicas
+            b = await client.generate(bodies("B", 1, 7)[0])
+            await asyncio.sleep(0.5)  # ten periods: both replicas have synced since the lift
+            views = await asyncio.gather(*(h.service.remote({"user": u}) for u in ("B", "P")))
+            out = await asyncio.gather(*flood)
+            return b, views, out
+
+        b, (on_b, other), out = run(main())
+        assert "error" not in b and all("error" not in o for o in out)
+        level = ray.get(counters.lifts.remote()).get("B", 0) / fr.COUNTER_SCALE
+        assert on_b["replica"] == b["replica"] != other["replica"]
+        assert level > 0 and on_b["lifts"]["B"] == level  # lifted where it returned, and published
+        assert other["lifts"].get("B") == level and "B" not in other["granted"]  # read by the other replica
+        print(f"lift: B lifted to {level:,.0f} weighted tokens on its replica; the other replica's level "
+              f"{other['lifts']['B']:,.0f}")
+    finally:
+        serve.delete(name)
+        ray.kill(counters)

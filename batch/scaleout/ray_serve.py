@@ -388,8 +388,9 @@ class EngineReplica:
 
         Returns:
             ``{"replica": id, "granted": {user: weighted tokens}, "offsets": {user: weighted
-            tokens}, "syncs": int}``; ``granted`` counts published and unpublished service, so it
-            is the same measure with or without the counters actor.
+            tokens}, "lifts": {user: lift level known here, weighted tokens}, "syncs": int}``;
+            ``granted`` counts published and unpublished service, so it is the same measure with
+            or without the counters actor.
         """
         self._ensure_started()
 
@@ -400,7 +401,8 @@ class EngineReplica:
                 granted[u] = granted.get(u, 0.0) + fr.service_units(pt, ot, p.prompt_price, p.output_price) / (
                     p.weight_of(u))
             return {"replica": self.replica_id, "granted": granted,
-                    "offsets": {u: p.offset(u) / fr.COUNTER_SCALE for u in granted}, "syncs": self.syncs}
+                    "offsets": {u: p.offset(u) / fr.COUNTER_SCALE for u in granted},
+                    "lifts": {u: v / fr.COUNTER_SCALE for u, v in p.lift_levels().items()}, "syncs": self.syncs}
 
         return await self.engine.call(read)
 
