@@ -256,7 +256,7 @@ def test_ingress_streams_the_single_process_servers_chunks(ingress):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
 
 
-def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_retries(ingress):
+def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_retries(handle, ingress):
     httpx = pytest.importorskip("httpx")
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -272,8 +272,8 @@ def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_re
         return {s.labels["replica"]: s.value for s in fams[name].samples if s.labels.get("user") == user}
 
     async def post_all(items: list[dict], kill_after_s: float | None = None) -> list[dict]:
-        if kill_after_s is not None:  # the replica to kill: one that is up
-            victim = (await ScaleoutClient(ingress_handle).generate(bodies("W", 1, 4)[0]))["actor_name"]
+        if kill_after_s is not None:  # the replica to kill: one that is up (a bounded wait: fail, never hang)
+            victim = (await asyncio.wait_for(ScaleoutClient(handle).generate(bodies("W", 1, 4)[0]), 60))["actor_name"]
         async with httpx.AsyncClient(timeout=120) as c:
             tasks = [asyncio.ensure_future(c.post(f"{ingress}/v1/completions", json=b)) for b in items]
             if kill_after_s is not None:  # the replica's death, which the Ingress's client retries
@@ -282,7 +282,8 @@ def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_re
                 ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
             return [r.json() for r in await asyncio.gather(*tasks)]
 
-    ingress_handle = serve.get_deployment_handle("EngineReplica", app_name="batch")
+    # the kill below finds its victim through the module's handle: a fresh serve.get_deployment_handle()
+    # made here once never routed its first request (the run hung; cause not established)
     while serve.status().applications["batch"].deployments["EngineReplica"].replica_states.get("RUNNING") != 2:
         time.sleep(0.1)  # the replacements for the replicas killed by earlier tests
     bodies_m = [{"prompt": " ".join(f"w{i}{k}" for k in range(3 + i % 7)), "max_tokens": 20 + i, "user": "M"}
@@ -323,7 +324,9 @@ def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_re
 
 
 PINS = {"L1": 0, "L2": 1}  # the light users' replicas: index into the sorted live replica ids
-SHARED_BOUND = 0.45  # F's share of a replica with shared counters at most this (fair: 1/3; unshared: 1/2)
+#: F's share of each replica with shared counters is at most this (fair: 1/3), and without them (the
+#: control) above it on both replicas (about 1/2): measured 0.36-0.40 and 0.48-0.51 (docs/scale-out.md)
+SHARED_BOUND = 0.44
 
 
 @pytest.fixture(params=[True, False], ids=["shared", "control-unshared"])
@@ -385,7 +388,7 @@ def test_a_flooding_user_gets_a_third_of_each_replica_only_with_shared_counters(
         assert max(shares) <= SHARED_BOUND, shares
     else:  # the control: without sharing each replica splits between F and its light user (about 1/2),
         # so the shared run's assertion fails on both replicas: the test measures the sharing
-        assert min(shares) > SHARED_BOUND + 0.02, shares
+        assert min(shares) > SHARED_BOUND, shares
 
 
 def test_a_lift_on_one_replica_reaches_the_other_through_the_counters_actor(handle):
