@@ -525,7 +525,8 @@ def test_a_failed_sync_keeps_the_deltas_and_lifts_for_the_next():
 
 
 @pytest.mark.parametrize("extra", [["--max-running", "4"], ["--eos-probability", "0.5"], ["--max-waiting", "10"],
-                                   ["--max-body-bytes", "100"], ["--served-model-name", "m"]])
+                                   ["--served-model-name", "m"], ["--max-user-labels", "5"],
+                                   ["--shutdown-timeout", "3"], ["--log-level", "debug"]])
 def test_serve_replicas_refuses_the_options_it_would_ignore(extra, capsys):
     from batch.server import serve  # noqa: PLC0415
 

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 TIME_SCALE = 1.0  # the stub's latency: 5 ms + 1 ms per request an iteration
 KV_CAP_BLOCKS = 96  # a smaller cache than the stub's 256: a burst of 60 requests per user is a backlog
 METRICS_PERIOD_S = 0.2  # the replicas push their metrics to the board this often
+INGRESS_MAX_BODY_BYTES = 64 * 1024  # the Ingress's body limit in these tests
 
 
 def free_port() -> int:
@@ -212,8 +213,9 @@ def test_a_stream_its_caller_stops_reading_is_aborted_on_its_replica(handle):
 @pytest.fixture(scope="module")
 def ingress(handle):
     """The HTTP ``Ingress`` over the module's replicas (``batch serve --replicas N``'s); its URL."""
-    serve.run(Ingress.bind(handle, metrics_board=handle.board, metrics_period_s=METRICS_PERIOD_S), name="ingress",
-              route_prefix="/")
+    serve.run(Ingress.bind(handle, metrics_board=handle.board, metrics_period_s=METRICS_PERIOD_S,
+                           max_body_bytes=INGRESS_MAX_BODY_BYTES, kv_cap_blocks=KV_CAP_BLOCKS),
+              name="ingress", route_prefix="/")
     try:
         yield handle.url
     finally:
@@ -284,8 +286,10 @@ def test_ingress_metrics_are_the_single_servers_families_per_replica_plus_the_re
 
     # the kill below finds its victim through the module's handle: a fresh serve.get_deployment_handle()
     # made here once never routed its first request (the run hung; cause not established)
+    deadline = time.monotonic() + 60  # the replacements for the replicas killed by earlier tests (fail, never hang)
     while serve.status().applications["batch"].deployments["EngineReplica"].replica_states.get("RUNNING") != 2:
-        time.sleep(0.1)  # the replacements for the replicas killed by earlier tests
+        assert time.monotonic() < deadline, "the killed replicas were not replaced within 60 s"
+        time.sleep(0.1)
     bodies_m = [{"prompt": " ".join(f"w{i}{k}" for k in range(3 + i % 7)), "max_tokens": 20 + i, "user": "M"}
                 for i in range(12)]
     answers = run(post_all(bodies_m))
@@ -422,3 +426,34 @@ def test_a_lift_on_one_replica_reaches_the_other_through_the_counters_actor(hand
     finally:
         serve.delete(name)
         ray.kill(counters)
+
+
+def test_ingress_refuses_bad_bodies_as_the_single_server_and_counts_only_accepted_prompts(handle, ingress):
+    httpx = pytest.importorskip("httpx")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"{ingress}/v1/completions"
+    nested = "[" * 20_000 + "]" * 20_000  # json.loads raises RecursionError on it (40 KB: under the limit)
+    r = httpx.post(url, content=nested, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    big = json.dumps({"prompt": "x " * INGRESS_MAX_BODY_BYTES, "user": "T"})
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and str(INGRESS_MAX_BODY_BYTES) in r.json()["error"]["message"]
+    limit = KV_CAP_BLOCKS * 16 - 1
+    r = httpx.post(url, json={"prompt": "w " * (limit + 1), "user": "T"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and str(limit) in r.text
+    # past the Ingress (straight to a replica): a prompt the scheduler refuses is not counted
+    client = ScaleoutClient(handle)
+    refused = run(client.generate({"user": "T", "prompt": [1] * (limit + 1), "max_tokens": 4, "request_id": "t0"}))
+    taken = run(client.generate({"user": "T", "prompt": [1, 2, 3], "max_tokens": 4, "request_id": "t1"}))
+    assert "error" in refused and "error" not in taken
+    deadline = time.monotonic() + 30
+    while True:  # the replicas push every METRICS_PERIOD_S
+        text = httpx.get(f"{ingress}/metrics", timeout=60).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        counted = sum(s.value for s in fams["batch:prompt_tokens"].samples
+                      if s.labels.get("user") == "T" and s.name.endswith("_total"))
+        if counted or time.monotonic() > deadline:
+            break
+        time.sleep(METRICS_PERIOD_S)
+    assert counted == 3  # the accepted prompt's 3 tokens, not the refused one's

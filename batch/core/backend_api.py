@@ -12,7 +12,7 @@ Source: vLLM V1's ``SchedulerOutput`` -> ``ModelRunner.execute_model`` split (pe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from inference_stub import Request
 from spec import rules

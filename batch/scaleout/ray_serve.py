@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from typing import Any, AsyncIterator
 
@@ -39,12 +40,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy, PendingSync
 from batch.scaleout.metrics import MetricsBoard, render_replicas
+from batch.core.validation import validate_request
 from batch.scaleout.router import ReplicaLoad, Router, check_pins
+from batch.server.app import ApiError, read_json_body
 from batch.server.engine import Engine, SeededGPU, ServedRequest
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder
-from scheduler import Scheduler
+from inference_stub import KV_BLOCK_TOKENS, MAX_KV_BLOCKS
+from scheduler import RequestError, Scheduler
 from spec import fairness_rules as fr
 
 __all__ = ["CountersActor", "MetricsBoardActor", "EngineReplica", "BatchRequestRouter", "ScaleoutClient", "Ingress",
@@ -351,11 +355,20 @@ class EngineReplica:
         req = ServedRequest(user_id=str(body["user"]), prompt=prompt, max_tokens=int(body["max_tokens"]),
                             request_id=str(body.get("request_id", "")), seed_key=SeededGPU.prompt_key(prompt))
         user = req.user_id
-        if self.metrics is not None:
+        if self.metrics is not None and self._acceptable(req):  # the help says: accepted requests
             self.metrics.prompt_tokens.labels(self.metrics.user_label(user)).inc(len(prompt))
         self._by_user[user] = self._by_user.get(user, 0) + 1
         self._received_by_user[user] = self._received_by_user.get(user, 0) + 1
         return req
+
+    def _acceptable(self, req: ServedRequest) -> bool:
+        """Whether ``Scheduler.submit`` will take ``req`` (``validate_request``, read-only: the
+        request is new, so the engine thread's in-flight table cannot hold it)."""
+        try:
+            validate_request(self.engine.scheduler, req)
+        except RequestError:
+            return False
+        return True
 
     def _ended(self, user: str) -> None:
         self._by_user[user] -= 1
@@ -429,9 +442,11 @@ class ScaleoutClient:
             the last ``RETRYABLE`` error after ``max_tries`` attempts.
         """
         for attempt in range(1, self.max_tries + 1):
+            response = self.handle.generate.remote(body)
             try:
-                out = await self.handle.generate.remote(body)
-            except RETRYABLE:
+                out = await response
+            except RETRYABLE as e:
+                _cancel_if_alive(response, e)
                 if attempt == self.max_tries:
                     raise
                 self.retries += 1
@@ -477,8 +492,9 @@ class ScaleoutClient:
                         yield msg
                         return
                     yield msg
-            except RETRYABLE:
+            except RETRYABLE as e:
                 ended = True
+                _cancel_if_alive(response, e)
                 if attempt == self.max_tries:
                     raise
                 self.retries += 1
@@ -489,6 +505,17 @@ class ScaleoutClient:
                     response.cancel()
             raise RuntimeError("the replica's stream ended without a last message")  # a replica bug, not a death
         raise AssertionError("unreachable")
+
+
+def _cancel_if_alive(response: Any, error: BaseException) -> None:
+    """After ``ActorUnavailableError`` the replica may still be alive (the error can be transient):
+    cancel the call there, so the retry does not run the request twice (and charge it twice). A
+    dead actor (``RayActorError``) has nothing to cancel."""
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+        try:
+            response.cancel()
+        except Exception:  # noqa: BLE001 - best effort: the actor may be gone after all
+            log.debug("cancel after %r failed", error, exc_info=True)
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None) -> Any:
@@ -525,17 +552,29 @@ class Ingress:
         metrics_board: the ``MetricsBoardActor`` the replicas push to (``None``: ``/metrics``
             has the ingress's own families only).
         metrics_period_s: the replicas' push period, seconds (> 0).
+        max_body_bytes: largest request body read (a larger one is a 413 before it is parsed, as
+            on the single-process server).
+        kv_cap_blocks: the replicas' KV cache blocks (``None``: the stub's 256): a prompt of
+            ``kv_cap_blocks * 16`` tokens or more is a 400 here, before it is sent to a replica.
 
     Raises:
-        ValueError: ``metrics_period_s`` not > 0.
+        ValueError: ``metrics_period_s`` not > 0; ``max_body_bytes`` or ``kv_cap_blocks`` < 1.
     """
 
     def __init__(self, replicas: Any, model_name: str = "batch-sim", metrics_board: Any = None,
-                 metrics_period_s: float = 1.0) -> None:
+                 metrics_period_s: float = 1.0, max_body_bytes: int = 4 * 1024 * 1024,
+                 kv_cap_blocks: int | None = None) -> None:
         from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
 
         if not metrics_period_s > 0:
             raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
+        blocks = MAX_KV_BLOCKS if kv_cap_blocks is None else kv_cap_blocks
+        if blocks < 1:
+            raise ValueError(f"kv_cap_blocks must be >= 1, got {kv_cap_blocks!r}")
+        self.max_body_bytes = max_body_bytes
+        self.max_prompt_tokens = blocks * KV_BLOCK_TOKENS - 1  # one slot kept for the first output token
         self.client = ScaleoutClient(replicas)
         self.tok = WordTokenizer(0)
         self.model_name = model_name
@@ -563,9 +602,11 @@ class Ingress:
         if request.method != "POST" or path != "/v1/completions":
             return self._reject(404, f"no route {request.method} {request.url.path}")
         try:
-            body = await request.json()
+            body = await read_json_body(request, self.max_body_bytes)
             payload, stream, include_usage = self._parse(body)
-        except ValueError as e:  # JSONDecodeError is one
+        except ApiError as e:  # 413 too large, 400 not JSON
+            return self._reject(e.status, e.message)
+        except ValueError as e:
             return self._reject(400, f"bad request: {e}", param=getattr(e, "param", None))
         self._n += 1
         rid = payload["request_id"] = f"cmpl-{self._n}"
@@ -607,7 +648,8 @@ class Ingress:
         """``(replica body, stream, include_usage)`` of a request body.
 
         Raises:
-            ValueError: not an object; ``prompt`` missing or not text; ``max_tokens`` not an int
+            ValueError: not an object; ``prompt`` missing, not text, or over ``max_prompt_tokens``
+                tokens; ``max_tokens`` not an int
                 >= 1; ``user`` not a string; ``stream`` or ``include_usage`` not a bool. The
                 message names the field (also as the error's ``param``).
         """
@@ -633,8 +675,12 @@ class Ingress:
         for param, v in (("stream", stream), ("stream_options.include_usage", include_usage)):
             if v is not None and not isinstance(v, bool):
                 raise bad(param, f"must be a bool, got {v!r}")
-        return ({"user": user, "prompt": self.tok.encode(prompt), "max_tokens": max_tokens}, bool(stream),
-                bool(include_usage))
+        ids = self.tok.encode(prompt, self.max_prompt_tokens)
+        if len(ids) > self.max_prompt_tokens:
+            raise bad("prompt", f"more than {self.max_prompt_tokens} tokens; the replicas' limit is "
+                                f"{self.max_prompt_tokens} prompt tokens (their KV cache, one slot kept for the "
+                                f"first output token)")
+        return ({"user": user, "prompt": ids, "max_tokens": max_tokens}, bool(stream), bool(include_usage))
 
     async def _stream(self, payload: dict, include_usage: bool, streaming_response: Any) -> Any:
         """The streamed answer: waits for the replica's first message (a refusal is a 400, no
@@ -676,6 +722,9 @@ class Ingress:
         except RETRYABLE as e:
             yield error_event(f"the replicas died mid-stream ({self.client.max_tries} tries): {e!r}",
                               "service_unavailable", None, 503)
+        except Exception as e:  # noqa: BLE001 - a replica bug: the stream still ends with an error and [DONE]
+            log.warning("a stream ended on an unexpected error: %r", e)
+            yield error_event(f"internal error: {e!r}", "server_error", None, 500)
         finally:
             await agen.aclose()
         if include_usage:
@@ -736,10 +785,13 @@ def deploy(replicas: int, *, time_scale: float = 1.0, seed: int = 0, period_s: f
 
 def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time_scale: float = 1.0, seed: int = 0,
                period_s: float = 0.05, weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
-               num_cpus: int | None = None, metrics_period_s: float = 1.0) -> None:
+               num_cpus: int | None = None, metrics_period_s: float = 1.0,
+               max_body_bytes: int = 4 * 1024 * 1024) -> None:
     """``batch serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
     ``replicas`` engine replicas and the ``Ingress`` on ``http://host:port`` (``/v1/completions``,
-    ``/health``, ``/metrics``); blocks until interrupted.
+    ``/health``, ``/metrics``); blocks until interrupted. On ``KeyboardInterrupt`` (Ctrl-C) it
+    prints one line, shuts Serve and Ray down (a few seconds; answers in flight are cut), and
+    raises it again for the caller's exit status.
 
     Args:
         replicas: engine replicas (int >= 1).
@@ -747,10 +799,12 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
         time_scale, seed, period_s, weights, kv_cap_blocks: ``EngineReplica``'s.
         num_cpus: Ray's CPUs (``None``: the machine's).
         metrics_period_s: seconds between the replicas' metrics pushes (> 0).
+        max_body_bytes: the ``Ingress``'s body limit (a larger body is a 413).
 
     Raises:
         TypeError: ``replicas`` not an int.
         ValueError: ``replicas`` < 1; ``metrics_period_s`` not > 0.
+        KeyboardInterrupt: after the shutdown, when interrupted.
     """
     engines = _engines(replicas, None)
     if not metrics_period_s > 0:
@@ -762,8 +816,13 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
         board = MetricsBoardActor.remote()
         app = engines.bind(counters, time_scale=time_scale, seed=seed, period_s=period_s, weights=weights,
                            kv_cap_blocks=kv_cap_blocks, metrics_board=board, metrics_period_s=metrics_period_s)
-        serve.run(Ingress.bind(app, metrics_board=board, metrics_period_s=metrics_period_s), name="batch",
+        serve.run(Ingress.bind(app, metrics_board=board, metrics_period_s=metrics_period_s,
+                               max_body_bytes=max_body_bytes, kv_cap_blocks=kv_cap_blocks), name="batch",
                   route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        print("batch serve: interrupted; shutting down Ray Serve and Ray (answers in flight are cut)",
+              file=sys.stderr)
+        raise
     finally:
         serve.shutdown()
         ray.shutdown()

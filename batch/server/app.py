@@ -50,7 +50,7 @@ from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
 from scheduler import RequestError
 
-__all__ = ["ServerConfig", "ApiError", "create_app"]
+__all__ = ["ServerConfig", "ApiError", "create_app", "read_json_body"]
 
 #: ``max_tokens`` when the body gives none (OpenAI's default for completions).
 DEFAULT_MAX_TOKENS = 16
@@ -175,7 +175,7 @@ async def _body(model: Any, request: Request, max_body_bytes: int, srv: Any) -> 
         ApiError: the OpenAI-style error for whichever check failed (400, 404 or 413).
     """
     try:
-        body = model.model_validate(await _json(request, max_body_bytes))
+        body = model.model_validate(await read_json_body(request, max_body_bytes))
     except ValidationError as e:
         raise _validation_error(e) from None
     body.check_supported()
@@ -336,9 +336,13 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _json(request: Request, max_bytes: int) -> Any:
+async def read_json_body(request: Request, max_bytes: int) -> Any:
     """The body parsed as JSON; 413 past ``max_bytes`` (by ``Content-Length`` before reading,
-    or by the bytes read), 400 if it is not JSON."""
+    or by the bytes read), 400 if it is not JSON (also when nested too deeply to parse).
+
+    Raises:
+        ApiError: 413 or 400, as above (the replicas' ``Ingress`` answers with it too).
+    """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the body is {int(declared)} bytes; this server's limit is {max_bytes} bytes")

@@ -36,7 +36,6 @@ import math
 import random
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence

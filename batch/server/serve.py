@@ -150,8 +150,8 @@ _positive_float.__name__ = "finite number > 0"
 
 #: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
 #: when set to anything but their default (rather than silently ignored).
-_NOT_WITH_REPLICAS = ("eos_probability", "max_running", "max_waiting", "max_body_bytes", "served_model_name",
-                      "trust_user_field")
+_NOT_WITH_REPLICAS = ("eos_probability", "max_running", "max_waiting", "served_model_name", "trust_user_field",
+                      "max_user_labels", "shutdown_timeout", "log_level", "device", "dtype")
 
 
 def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
@@ -159,6 +159,10 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.model or a.backend == "model" or a.policy != "vtc":
         p.error("--replicas N > 1 serves the simulated GPU with the VTC policy only")
     unsupported = [f"--{k.replace('_', '-')}" for k in _NOT_WITH_REPLICAS if getattr(a, k) != p.get_default(k)]
+    if a.max_body_bytes < 1:
+        p.error(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
+    if a.kv_cap_blocks is not None and a.kv_cap_blocks < 1:
+        p.error(f"--kv-cap-blocks must be >= 1, got {a.kv_cap_blocks}")
     if unsupported:
         p.error(f"--replicas N > 1 does not support {', '.join(unsupported)} (docs/scale-out.md, section 4)")
     try:
@@ -176,8 +180,12 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         return 2
     print(f"batch serve: {a.replicas} replicas on Ray Serve (sim, time scale {a.time_scale}, counters synced every "
           f"{a.counter_period} s) on http://{a.host}:{a.port}/v1/completions", file=sys.stderr)
-    serve_http(a.replicas, host=a.host, port=a.port, time_scale=a.time_scale, seed=a.seed,
-               period_s=a.counter_period, weights=users.weights, kv_cap_blocks=a.kv_cap_blocks)
+    try:
+        serve_http(a.replicas, host=a.host, port=a.port, time_scale=a.time_scale, seed=a.seed,
+                   period_s=a.counter_period, weights=users.weights, kv_cap_blocks=a.kv_cap_blocks,
+                   max_body_bytes=a.max_body_bytes)
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
