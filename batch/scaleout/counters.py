@@ -357,22 +357,21 @@ class GlobalVTCPolicy(VTCPolicy):
     def set_offsets(self, others: Mapping[str, int]) -> None:
         """Take the others' service (user -> counter units) as the new offsets; an offset never
         goes down (a smaller reading, e.g. from a store that lost a replica's entry, is ignored)."""
-        off, add = self._offset, self._add
-        for user, units in others.items():
-            old = off.get(user, 0)
-            if units > old:
-                off[user] = units
-                add[user] = add.get(user, 0) + units - old
+        self._raise_to(self._offset, others)
 
     def set_lifts(self, levels: Mapping[str, int]) -> None:
         """Raise each user's lift level here to the global one read (user -> counter units); a
         lower reading is ignored. The view rises by the difference."""
-        known, add = self._lift_level, self._add
-        for user, level in levels.items():
+        self._raise_to(self._lift_level, levels)
+
+    def _raise_to(self, known: dict[str, int], readings: Mapping[str, int]) -> None:
+        """Raise ``known[user]`` to each higher reading, and the user's view by as much."""
+        add = self._add
+        for user, v in readings.items():
             old = known.get(user, 0)
-            if level > old:
-                known[user] = level
-                add[user] = add.get(user, 0) + level - old
+            if v > old:
+                known[user] = v
+                add[user] = add.get(user, 0) + v - old
 
     def take_reply(self, reply: SyncReply) -> None:
         """``set_offsets(reply.service)`` and ``set_lifts(reply.lifts)``."""

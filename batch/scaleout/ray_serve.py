@@ -435,6 +435,16 @@ class ScaleoutClient:
         self.retry_wait_s = retry_wait_s
         self.retries = 0
 
+    async def _before_retry(self, attempt: int, response: Any, error: BaseException) -> None:
+        """After attempt ``attempt`` failed with ``error`` (a ``RETRYABLE``): cancel the call if its
+        replica may be alive (``_cancel_if_alive``); re-raise ``error`` if that was the last
+        attempt, else count a retry and wait ``retry_wait_s``."""
+        _cancel_if_alive(response, error)
+        if attempt == self.max_tries:
+            raise error
+        self.retries += 1
+        await asyncio.sleep(self.retry_wait_s)
+
     async def generate(self, body: dict) -> dict:
         """The deployment's answer for ``body`` (``EngineReplica.generate``) with ``"tries"`` added.
 
@@ -446,11 +456,7 @@ class ScaleoutClient:
             try:
                 out = await response
             except RETRYABLE as e:
-                _cancel_if_alive(response, e)
-                if attempt == self.max_tries:
-                    raise
-                self.retries += 1
-                await asyncio.sleep(self.retry_wait_s)
+                await self._before_retry(attempt, response, e)
                 continue
             out["tries"] = attempt
             return out
@@ -494,11 +500,7 @@ class ScaleoutClient:
                     yield msg
             except RETRYABLE as e:
                 ended = True
-                _cancel_if_alive(response, e)
-                if attempt == self.max_tries:
-                    raise
-                self.retries += 1
-                await asyncio.sleep(self.retry_wait_s)
+                await self._before_retry(attempt, response, e)
                 continue
             finally:
                 if not ended:  # our caller stopped reading (or an error): stop the replica's generator
