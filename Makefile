@@ -1,5 +1,5 @@
 # Two entry points (see README): `make run` and `make test`. Each creates .venv on first use and
-# installs only what it needs, at the versions in constraints.txt.
+# installs only what it needs, at the versions in constraints.txt; `make test` also builds .venv-vllm.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,8 +9,14 @@ TEST_STAMP := $(VENV)/.installed-test
 SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
 SCALEOUT_STAMP := $(VENV)/.installed-scaleout
+# vLLM's own venv (its pins conflict with constraints.txt: fastapi, transformers): `make test` runs
+# the tests marked vllm there, `make bench-vllm` the side-by-side comparison.
+VLLM_VENV := .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/pip install -q
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+VLLM_TESTS := tests/test_vllm*.py
 
-.PHONY: run serve test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-target bench-vllm clean clean-vllm
+.PHONY: run serve test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-vllm clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +33,7 @@ $(TEST_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[sim,dev,model,serve]'
 	touch $@ $(RUN_STAMP) $(SERVE_STAMP)  # a superset of both: `make run` / `make serve` need not reinstall
 
-# ray[serve] (~400 MB, ~1 minute): only for the Ray Serve replicas (docs/scale-out.md).
+# ray[serve] (~400 MB, ~1 minute): the Ray Serve replicas (docs/scale-out.md); make test installs it too.
 $(SCALEOUT_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[sim,dev,serve,scaleout]'
 	touch $@
@@ -43,14 +49,21 @@ run: $(RUN_STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/batch serve --port 8000 $(ARGS)
 
-test: $(TEST_STAMP)
-	$(BIN)/python -m pytest
+# Every test, each in the environment it needs: .venv with every extra (the Ray tests included)
+# runs all but the tests marked vllm, .venv-vllm runs those. BATCH_REQUIRE_ALL=1 makes a test that
+# would be skipped for a missing install or data file fail instead (tests/conftest.py). Both runs
+# always run; the target fails if either did.
+test: $(TEST_STAMP) $(SCALEOUT_STAMP) $(VLLM_STAMP)
+	BATCH_REQUIRE_ALL=1 $(BIN)/python -m pytest -m "not vllm"; a=$$?; \
+	BATCH_REQUIRE_ALL=1 $(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_TESTS); b=$$?; \
+	test $$a -eq 0 -a $$b -eq 0
 
-# The suite without the tests marked slow (proofs, long stateful runs, subprocesses; pyproject.toml).
+# The quick loop: .venv only, without the tests marked slow (proofs, long stateful runs,
+# subprocesses, the Ray tests; pyproject.toml) or vllm; what is not installed is skipped.
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not vllm"
 
-# The scale-out tests with Ray installed (tests/test_scaleout*.py; the Ray ones skip without it).
+# The scale-out tests alone, with Ray installed (tests/test_scaleout*.py; also part of make test).
 test-scaleout: $(SCALEOUT_STAMP)
 	$(BIN)/python -m pytest tests/test_scaleout.py tests/test_scaleout_ray.py
 
@@ -73,17 +86,9 @@ bench-big: $(BENCH_STAMP)
 bench-cold: $(RUN_STAMP)
 	$(BIN)/python bench/cold_fairness.py $(ARGS)
 
-# The iteration target's trade-off on the simulated clock (bench/target_sweep.py; docs/fairness.md section 6).
-bench-target: $(BENCH_STAMP)
-	$(BIN)/python bench/target_sweep.py --plot docs/img/target_tradeoff.png $(ARGS)
-
 # Batch beside vLLM's own V1 scheduler on one simulated clock (bench/vllm_compare.py; ARGS="--traces DIR").
-# An optional extra: its own venv, .venv-vllm (about 3 minutes and 2.2 GB, no GPU), never touched by
-# `make run` or `make test`, and nothing is installed into .venv. Recipe: ../shared/guides/vllm-comparison.md.
-VLLM_VENV := .venv-vllm
-VLLM_PIP := $(VLLM_VENV)/bin/pip install -q
-VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
-
+# Its own venv, .venv-vllm (about 2 minutes and 2.2 GB, no GPU), which `make test` also builds and
+# `make run` never touches; nothing of it is installed into .venv. Recipe: ../shared/guides/vllm-comparison.md.
 $(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) $$(grep -E '^torch==' bench/requirements-vllm.txt)

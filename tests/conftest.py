@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -20,6 +21,54 @@ from inference_stub import Request  # noqa: E402
 # Every Scheduler the tests build evaluates the spec invariants after every tick
 # (spec/invariants.py) and raises InvariantViolation naming the property.
 scheduler.CHECK_INVARIANTS = True
+
+#: ``make test`` (and so CI, ``.ci/run``) sets ``BATCH_REQUIRE_ALL=1``: every test runs, and one
+#: that would be skipped (a missing extra such as ``scaleout`` or ``model``, vllm outside
+#: ``.venv-vllm``, no traces folder) fails instead, naming what is missing. Without it, such a
+#: test is skipped with that reason (``make test-fast``, a bare ``pytest``).
+REQUIRE_ALL = os.environ.get("BATCH_REQUIRE_ALL") == "1"
+#: A skip reason starting with this is allowed under ``BATCH_REQUIRE_ALL``: the test cannot apply
+#: on this machine (a check that CUDA is absent, run where CUDA is present), nothing is missing.
+NOT_APPLICABLE = "not applicable on this machine: "
+#: Tests marked ``vllm`` need vllm, which is installed only in ``.venv-vllm``: ``make test`` runs
+#: them there (``pytest -m vllm tests/test_vllm*.py``) and leaves them out of the ``.venv`` run
+#: (``-m "not vllm"``), so they must live in files named like this.
+VLLM_TEST_FILES = "test_vllm*.py"
+
+
+def _required_skip_as_failure(rep) -> None:
+    """Under ``BATCH_REQUIRE_ALL``, turn a skipped report (a test, or a whole module at collection)
+    into a failure naming the skip's reason, unless the reason is ``NOT_APPLICABLE``."""
+    if not (REQUIRE_ALL and rep.skipped) or hasattr(rep, "wasxfail"):
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if reason.startswith(NOT_APPLICABLE):
+        return
+    rep.outcome = "failed"
+    rep.longrepr = (f"skipped, but BATCH_REQUIRE_ALL=1 (make test, CI) requires every test to run: {reason}\n"
+                    "make test installs every extra and .venv-vllm; the traces folder is $BATCH_TRACES_DIR, "
+                    "else ../shared/traces beside the checkout")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    _required_skip_as_failure((yield).get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    _required_skip_as_failure((yield).get_result())
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects them
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``vllm`` outside a ``VLLM_TEST_FILES`` file would never run in ``make test``."""
+    stray = [item.nodeid for item in items
+             if item.get_closest_marker("vllm") and not item.path.match(VLLM_TEST_FILES)]
+    if stray:
+        raise pytest.UsageError(f"tests marked vllm must be in tests/{VLLM_TEST_FILES} (make test runs them "
+                                f"there in .venv-vllm): {', '.join(stray)}")
 
 
 def make_req(rid: str, user: str = "u1", n_prompt: int = 10, max_tokens: int = 5) -> Request:
