@@ -146,8 +146,8 @@ def test_the_store_refuses_a_bad_lift_level_and_changes_nothing():
 
 def test_deltas_are_the_weighted_service_since_the_last_sync():
     pol = GlobalVTCPolicy(replica_id="r0", weights={"A": 2})
-    pol.on_service("A", 10, 3)  # 10 * 1 + 3 * 2 = 16 weighted tokens, weight 2 -> 8
-    pol.on_service("B", 4, 0)
+    pol.charge("A", 10, 3)  # 10 * 1 + 3 * 2 = 16 weighted tokens, weight 2 -> 8
+    pol.charge("B", 4, 0)
     assert pol.take_deltas() == {"A": 8 * SCALE, "B": 4 * SCALE}
     assert pol.take_deltas() == {}
     assert pol.service_units == {"A": 8 * SCALE, "B": 4 * SCALE}
@@ -222,6 +222,74 @@ def test_replica_id_must_be_a_name():
         GlobalVTCPolicy(replica_id="")
 
 
+# ---------------------------------------------------------------- forgetting idle users in the store
+
+
+def _state(waiting=(), resident=()) -> dict:
+    return {"waiting": list(waiting), "resident": {u: 1 for u in resident}}
+
+
+def test_the_store_forgets_only_users_idle_everywhere_whose_counter_the_lift_would_raise_anyway():
+    # H waits on r0 with counter 1000 tokens; tolerance 5 tokens: a returning user is lifted to
+    # 1000 - 5 tokens less one unit, so a counter at or below that carries no information
+    floor = 1000 * SCALE - 5 * SCALE - 1
+    store = GlobalCounters(forget_idle=True, tolerance_units=5 * SCALE)
+    store.sync("r1", {"far": 10 * SCALE}, _state(resident=["busy1"]))  # busy1 runs on r1 only
+    reply = store.sync("r0", {"H": 1000 * SCALE, "low": 10 * SCALE, "busy0": 10, "busy1": 10, "edge": floor,
+                              "above": floor + 1}, _state(waiting=["H"], resident=["busy0"]), {"lifted": 2000 * SCALE})
+    assert sorted(reply.forgotten) == ["edge", "far", "low"]  # idle everywhere, at or below the floor
+    assert not {"edge", "far", "low"} & set(store.counters()) and "far" not in store.by_replica()["r1"]
+    kept = set(store.counters())
+    # waiting; resident here or on the other replica; above the floor (by service, or by its lift level)
+    assert kept == {"H", "busy0", "busy1", "above", "lifted"}
+    again = store.sync("r1", {}, _state(resident=["busy1"]))
+    assert sorted(again.forgotten) == ["edge", "far", "low"] and "low" not in again.service  # told once to each
+    assert store.sync("r0", {}, _state(waiting=["H"])).forgotten == ("busy0",)  # its request ended
+    assert store.size()["forgotten"] == 4 and store.size()["pending_news"] == 1  # r1 not told of busy0 yet
+
+
+def test_the_store_forgets_nothing_without_a_backlog_or_a_report_or_when_off():
+    idle = GlobalCounters(forget_idle=True)  # nobody waits: a returning user would keep its own counter
+    idle.sync("r0", {"H": 1000 * SCALE, "u": SCALE}, _state(resident=["H"]))
+    assert idle.sync("r0", {}, _state()).forgotten == () and "u" in idle.counters()
+    off = GlobalCounters()  # forget_idle off (the default)
+    off.sync("r0", {"H": 1000 * SCALE, "u": SCALE}, _state(waiting=["H"]))
+    assert "u" in off.counters()
+    blocked = GlobalCounters(forget_idle=True)
+    blocked.publish("r9", {"v": SCALE})  # r9 publishes but never says what runs there: v may run there
+    blocked.sync("r0", {"H": 1000 * SCALE, "u": SCALE}, _state(waiting=["H"]))
+    assert {"u", "v"} <= set(blocked.counters())
+    on = GlobalCounters(forget_idle=True)  # the same without r9: both go
+    on.sync("r0", {"H": 1000 * SCALE, "u": SCALE, "v": SCALE}, _state(waiting=["H"]))
+    assert not {"u", "v"} & set(on.counters())
+
+
+def test_a_silent_replica_stops_pinning_its_users_after_stale_replica_s():
+    now = [0.0]
+    store = GlobalCounters(forget_idle=True, stale_replica_s=30.0, clock=lambda: now[0])
+    store.sync("dead", {"x": SCALE}, _state(resident=["x"]))  # x runs on a replica that then dies
+    store.sync("r0", {"H": 1000 * SCALE}, _state(waiting=["H"]))
+    assert "x" in store.counters()
+    now[0] = 31.0
+    assert store.sync("r0", {}, _state(waiting=["H"])).forgotten == ("x",)
+    assert store.size()["pending_news"] == 0  # no news kept for the dead replica
+
+
+def test_20000_one_request_users_leave_the_store_a_bounded_size():
+    # a heavy user H stays backlogged on r0; each user u_i runs one request (resident at one sync,
+    # idle at the next), charged 10 tokens; r1 syncs every tenth period
+    store = GlobalCounters(forget_idle=True)
+    most_news = 0
+    for i in range(20_000):
+        store.sync("r0", {f"u{i}": 10 * SCALE, "H": 20 * SCALE}, _state(waiting=["H"], resident=[f"u{i}"]))
+        if i % 10 == 0:
+            store.sync("r1", {}, _state())
+        most_news = max(most_news, store.size()["pending_news"])
+    size = store.size()
+    assert size["users"] <= 2 and size["entries"] <= 2 and size["forgotten"] >= 19_999, size
+    assert most_news <= 10
+
+
 # ---------------------------------------------------------------- the router
 
 
@@ -253,6 +321,35 @@ def test_router_spreads_each_user_over_the_replicas():
     assert all(v == {"a", "b"} for v in placed.values())
     r.done("a", "A")
     assert r.score("a", "A")[0] == r.score("a")[0] + 1
+
+
+def test_router_counts_a_users_requests_in_transit_until_the_replica_reports_them_received():
+    # Serve's router cannot see a request end: the replica reports each user's unfinished requests
+    # (by_user) and how many it received in all; the user's sends since then are in transit
+    r = Router(["a", "b"])
+    r.report("a", ReplicaLoad(by_user={}))
+    r.report("b", ReplicaLoad(by_user={}))
+    r.note_sent("a", "U")
+    r.note_sent("a", "V")
+    assert r.score("a", "U")[0] - r.score("a")[0] == 1  # U's one request, in transit
+    r.report("a", ReplicaLoad(waiting=2, received=1, by_user={"U": 1}))  # the first send arrived
+    assert r.score("a", "U")[0] - r.score("a")[0] == 1  # now the replica's count, not also in transit
+    assert r.score("a", "V")[0] - r.score("a")[0] == 1  # V's still in transit
+    r.report("a", ReplicaLoad(received=2, by_user={}))  # both arrived and ended
+    assert r.score("a", "U")[0] == r.score("a")[0] == r.score("a", "V")[0]
+
+
+def test_router_keeps_no_state_for_users_with_nothing_in_flight():
+    # 10,000 users, one request each, received and finished: nothing per user is left
+    r, sim = Router(), Router(["a", "b"])
+    for rep in ("a", "b"):
+        r.add(rep, ReplicaLoad(by_user={}))  # Serve's: the replicas report their users' requests
+    for i in range(10_000):
+        rep = r.pick(f"u{i}")
+        sim.done(sim.pick(f"u{i}"), f"u{i}")
+        r.report(rep, ReplicaLoad(received=r.picks[rep], by_user={}))
+    assert not any(r._mine.values()) and not any(r._transit_user.values()) and not any(r._transit.values())
+    assert not any(sim._mine.values())
 
 
 def test_router_exclude_remove_and_no_replica():
@@ -517,16 +614,15 @@ def test_a_failed_sync_keeps_the_deltas_and_lifts_for_the_next():
 
     store, [(r0, s0), _] = lifted_pair()
     s0.submit(req("B", 0))  # lifted on r0
-    r0.on_service("B", 10, 0)
+    r0.charge("B", 10, 0)
     with pytest.raises(ConnectionError):
         r0.sync(Down())
     r0.sync(store)  # the next sync delivers what the failed one took
     assert store.totals()["B"] == 10 * SCALE and store.lifts()["B"] == r0.lift_level("B") > 0
 
 
-@pytest.mark.parametrize("extra", [["--max-running", "4"], ["--eos-probability", "0.5"], ["--max-waiting", "10"],
-                                   ["--served-model-name", "m"], ["--max-user-labels", "5"],
-                                   ["--shutdown-timeout", "3"], ["--log-level", "debug"]])
+@pytest.mark.parametrize("extra", [["--max-running", "4"], ["--max-waiting", "10"],
+                                   ["--served-model-name", "m"], ["--max-user-labels", "5"], ["--log-level", "debug"]])
 def test_serve_replicas_refuses_the_options_it_would_ignore(extra, capsys):
     from batch.server import serve  # noqa: PLC0415
 
@@ -537,15 +633,30 @@ def test_serve_replicas_refuses_the_options_it_would_ignore(extra, capsys):
     assert "does not support" in err and extra[0] in err
 
 
-def test_serve_replicas_refuses_api_keys(tmp_path, capsys):
+@pytest.mark.parametrize("extra, words", [
+    (["--trust-user-field"], "cannot be used with api_keys"),
+    (["--user-header", "x-tenant"], "cannot be used with api_keys"),
+], ids=["trust-user-field", "user-header"])
+def test_serve_replicas_refuses_identity_options_that_conflict_with_api_keys(tmp_path, capsys, extra, words):
+    # the replicas take the config's api_keys (authentication, as the single server); with keys the
+    # key's user is the identity, so a second source of identity is refused before Ray starts
     from batch.server import serve  # noqa: PLC0415
 
     cfg = tmp_path / "users.json"
     cfg.write_text('{"weights": {"alice": 2}, "api_keys": {"k1": "alice"}}')
     with pytest.raises(SystemExit) as e:
-        serve.main(["--replicas", "2", "--config", str(cfg)])
+        serve.main(["--replicas", "2", "--config", str(cfg), *extra])
     assert e.value.code == 2
-    assert "api_keys" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert words in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_serve_replicas_refuses_metrics_auth_without_keys(capsys):
+    from batch.server import serve  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--replicas", "2", "--metrics-auth"])
+    assert e.value.code == 2
+    assert "needs the config's api_keys" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # ---------------------------------------------------------------- /metrics across replicas

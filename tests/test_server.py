@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -83,7 +84,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def srv():
-    with LiveServer(seed=7) as s:
+    with LiveServer(ServerConfig(trust_user_field=True), seed=7) as s:  # the body's user is the identity
         yield s
 
 
@@ -148,41 +149,121 @@ def test_raw_sse_format_and_usage(srv):
     assert usage["usage"]["completion_tokens"] == len(tokens)  # one chunk per token, EOS included
 
 
-def test_fairness_key_api_key_then_user_then_anonymous(tmp_path):
-    cfg_file = tmp_path / "users.toml"
-    cfg_file.write_text('[weights]\nalice = 3\n[api_keys]\n"sk-alice" = "alice"\n')
-    users = load_config(cfg_file)
-    assert users.weights == {"alice": 3} and users.api_keys == {"sk-alice": "alice"}
-    with LiveServer(ServerConfig(api_keys=users.api_keys), weights=users.weights) as s:
-        assert s.engine.scheduler.policy.weight_of("alice") == 3
-        s.openai("sk-alice").completions.create(model=MODEL, prompt="x", max_tokens=2)
-        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2)
-        s.openai("sk-other").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")  # key wins
-        httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "dave"})  # no key
+KEYS = {"sk-alice-1": "alice", "sk-bob-1": "bob"}
+
+
+def _record_users(s: LiveServer) -> list[str]:
+    """The fairness identity of every request the app submits to the engine, in order."""
+    seen: list[str] = []
+    submit = s.engine.submit
+    s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
+    return seen
+
+
+def _assert_401(r) -> None:
+    assert r.status_code == 401, r.text
+    assert r.headers["www-authenticate"] == "Bearer"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
+    assert "sk-" not in err["message"]  # a key is never echoed
+
+
+def test_with_keys_no_key_a_wrong_key_or_basic_auth_get_401_on_every_v1_route():
+    with LiveServer(ServerConfig(api_keys=KEYS, max_body_bytes=1000)) as s:
+        seen = _record_users(s)
+        routes = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                  ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})]
+        bad_headers = [{}, {"Authorization": "Bearer sk-mallory"}, {"Authorization": "Bearer sk-alice-1x"},
+                       {"Authorization": "Bearer SK-ALICE-1"}, {"Authorization": "Basic c2stYWxpY2UtMTo="},
+                       {"Authorization": "sk-alice-1"}, {"Authorization": "Bearer"}, {"X-Api-Key": "sk-alice-1"}]
+        for method, path, body in routes:
+            for headers in bad_headers:
+                _assert_401(httpx.request(method, f"{s.url}{path}", json=body, headers=headers))
+            ok = httpx.request(method, f"{s.url}{path}", json=body, headers={"Authorization": "Bearer sk-alice-1"})
+            assert ok.status_code == 200, ok.text
+        # the key is checked before the body is read: an oversized body without a key is a 401, not a 413
+        _assert_401(httpx.post(f"{s.url}/v1/completions", content=b"x" * 5000,
+                               headers={"content-type": "application/json"}))
+        with pytest.raises(openai.AuthenticationError):
+            s.openai("sk-made-up").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert s.openai("sk-bob-1").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+        assert httpx.get(f"{s.url}/health").status_code == 200  # open
+        metrics = httpx.get(f"{s.url}/metrics")  # open unless metrics_need_key
+        assert metrics.status_code == 200 and "sk-" not in metrics.text
         m = bench_serve.scrape(s.url)
-    users_seen = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
-    assert "alice" in users_seen and "dave" in users_seen and "anonymous" in users_seen
-    assert "carol" not in users_seen
-    assert any(u.startswith("key-") and "sk-other" not in u for u in users_seen)  # the key itself never shown
+    assert seen == ["alice", "alice", "bob"]  # nothing refused reached the engine
+    assert m['batch:request_rejected_total{code="401"}'] == 3 * len(bad_headers) + 2
+    assert not any(k.startswith("batch:request_rejected_total") and "413" in k for k in m)
 
 
-def test_with_an_api_key_random_user_values_share_one_fairness_key():
-    seen = []
-    with LiveServer(ServerConfig(api_keys={"sk-heavy": "heavy"})) as s:
-        submit = s.engine.submit
-        s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
-        for i in range(5):
-            s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
-            s.openai("sk-unlisted").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
-    assert seen[0::2] == ["heavy"] * 5 and len(set(seen[1::2])) == 1 and seen[1].startswith("key-")
-    seen.clear()
-    with LiveServer(ServerConfig(api_keys={"sk-heavy": "heavy"}, trust_user_field=True)) as s:
-        submit = s.engine.submit
-        s.engine.submit = lambda req, stream=True: (seen.append(req.user_id), submit(req, stream))[1]
-        s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2, user="carol")
-        s.openai("sk-heavy").completions.create(model=MODEL, prompt="x", max_tokens=2)
-    assert seen == ["carol", "heavy"]
+def test_metrics_need_a_key_only_when_asked():
+    with LiveServer(ServerConfig(api_keys=KEYS, metrics_need_key=True)) as s:
+        _assert_401(httpx.get(f"{s.url}/metrics"))
+        _assert_401(httpx.get(f"{s.url}/metrics", headers={"Authorization": "Bearer sk-nobody"}))
+        ok = httpx.get(f"{s.url}/metrics", headers={"Authorization": "Bearer sk-bob-1"})
+        assert ok.status_code == 200 and "batch:num_requests_running" in ok.text
+        assert httpx.get(f"{s.url}/health").status_code == 200
+    with pytest.raises(ValueError, match="needs api_keys"):
+        LiveServer(ServerConfig(metrics_need_key=True))
+
+
+def test_with_keys_the_identity_is_the_keys_user_whatever_the_body_says():
+    with LiveServer(ServerConfig(api_keys=KEYS)) as s:
+        seen = _record_users(s)
+        for i in range(4):
+            s.openai("sk-bob-1").completions.create(model=MODEL, prompt="x", max_tokens=2, user=f"rnd{i}")
+        s.openai("sk-alice-1").chat.completions.create(model=MODEL, max_tokens=2, user="bob",
+                                                       messages=[{"role": "user", "content": "x"}])
+        s.openai("sk-alice-1").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "alice"})
+        _assert_401(r)  # naming a user is no key
+        m = bench_serve.scrape(s.url)
+    assert seen == ["bob"] * 4 + ["alice", "alice"]
+    labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
+    assert labelled == {"alice", "bob"}
+
+
+@pytest.mark.parametrize("cfg, headers, body_user, identity", [
+    (ServerConfig(), {}, "carol", "anonymous"),  # shared: nobody can claim an identity
+    (ServerConfig(), {"Authorization": "Bearer sk-anything"}, None, "anonymous"),  # no keys configured: ignored
+    (ServerConfig(trust_user_field=True), {}, "carol", "carol"),
+    (ServerConfig(trust_user_field=True), {}, None, "anonymous"),
+    (ServerConfig(user_header="X-Tenant-Id"), {"x-tenant-id": "acme"}, "carol", "acme"),  # the body is ignored
+    (ServerConfig(user_header="X-Tenant-Id"), {}, "carol", "anonymous"),
+], ids=["shared", "shared-key-ignored", "user-field", "user-field-absent", "header", "header-absent"])
+def test_without_keys_the_identity_is_anonymous_unless_a_trusted_source_names_it(cfg, headers, body_user, identity):
+    with LiveServer(cfg) as s:
+        seen = _record_users(s)
+        body = {"prompt": "x", "max_tokens": 2, **({"user": body_user} if body_user else {})}
+        assert httpx.post(f"{s.url}/v1/completions", json=body, headers=headers).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True,
+                **({"user": body_user} if body_user else {})}
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=chat, headers=headers) as r:
+            assert r.status_code == 200 and list(r.iter_lines())
+    assert seen == [identity, identity]
+
+
+def test_identity_options_that_conflict_or_overflow_are_refused(capsys):
+    for cfg, match in ((ServerConfig(api_keys=KEYS, trust_user_field=True), "cannot be used with api_keys"),
+                       (ServerConfig(api_keys=KEYS, user_header="x-tenant"), "cannot be used with api_keys"),
+                       (ServerConfig(trust_user_field=True, user_header="x-tenant"), "together"),
+                       (ServerConfig(user_header="x tenant"), "header name")):
+        with pytest.raises(ValueError, match=match):
+            LiveServer(cfg)
+    from batch.server import serve
+    for args in (["--trust-user-field", "--user-header", "x-t"], ["--metrics-auth"]):
+        with pytest.raises(SystemExit) as e:
+            serve.main(args)
+        assert e.value.code == 2
+    assert capsys.readouterr().err.count("batch serve: error:") == 2
+    with LiveServer(ServerConfig(trust_user_field=True)) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "user": "u" * 257})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "user"
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "user": "u" * 256}).status_code == 200
+    with LiveServer(ServerConfig(user_header="x-tenant")) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}, headers={"x-tenant": "t" * 257})
+        assert r.status_code == 400 and "x-tenant" in r.json()["error"]["message"]
 
 
 def test_config_files(tmp_path):
@@ -215,8 +296,50 @@ def test_disconnect_aborts_and_frees_blocks():
         h = s.drained()
         _assert_idle(h)
         assert h["aborted"] == before + 2
-        assert s.engine.scheduler.pool.num_free == s.engine.scheduler.kv_cap_blocks
+        assert s.engine.scheduler.pool.num_free == s.engine.scheduler.config.kv_cap_blocks
         assert _metric(s.url, 'batch:request_success_total{finished_reason="abort"}') == 2
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_client_closing_mid_body_is_a_499_with_one_log_line_not_a_server_error():
+    # the client declares 1,000 bytes, sends 12 and closes: Starlette raises ClientDisconnect in
+    # the body reader; the server counts a 499 (client closed request), logs one line, no traceback
+    records = _Records()
+    loggers = [logging.getLogger(n) for n in ("batch.server", "uvicorn.error", "uvicorn")]
+    with LiveServer(ServerConfig()) as s:
+        for lg in loggers:
+            lg.addHandler(records)
+        try:
+            host, port = s.url.removeprefix("http://").split(":")
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/completions"):
+                with socket.create_connection((host, int(port))) as sk:
+                    sk.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               f"Content-Length: 1000\r\n\r\n{{\"prompt\": \"".encode())
+                    time.sleep(0.05)
+            deadline = time.monotonic() + 20
+            while _metric(s.url, 'batch:request_rejected_total{code="499"}') < 3:
+                assert time.monotonic() < deadline, bench_serve.scrape(s.url)
+                time.sleep(0.05)
+            ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert ok.status_code == 200  # the server goes on
+            m = bench_serve.scrape(s.url)
+        finally:
+            for lg in loggers:
+                lg.removeHandler(records)
+    assert m['batch:request_rejected_total{code="499"}'] == 3
+    assert not any(k.startswith("batch:request_rejected_total") and '"500"' in k for k in m)
+    lines = [r for r in records.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 3 and all(r.name == "batch.server" and r.exc_info is None for r in lines), [
+        (r.name, r.getMessage()) for r in lines]
+    assert all("client closed" in r.getMessage() and "499" in r.getMessage() for r in lines)
 
 
 def test_concurrent_users(srv):
@@ -266,6 +389,22 @@ def test_concurrent_users(srv):
     (b'{"prompt": [1.0, 2.0]}', "prompt"),
     (b'{"prompt": "x", "user": 5}', "user"),
     (b'{"prompt": "x", "model": 5}', "model"),
+    # stream_options only with "stream": true (as vLLM); sampling parameters checked, then ignored
+    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
+    (b'{"prompt": "x", "stream": false, "stream_options": {"include_usage": true}}', "stream_options"),
+    (b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options"),
+    (b'{"prompt": "x", "stream": true, "stream_options": 1}', "stream_options"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"prompt": "x", "temperature": true}', "temperature"),
+    (b'{"prompt": "x", "temperature": 2.5}', "temperature"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "top_p": "1"}', "top_p"),
+    (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
+    (b'{"prompt": "x", "presence_penalty": [0]}', "presence_penalty"),
+    (b'{"prompt": "x", "frequency_penalty": -3}', "frequency_penalty"),
+    (b'{"prompt": "x", "seed": 1.5}', "seed"),
+    (b'{"prompt": "x", "logit_bias": {"5": "up"}}', "logit_bias"),
+    (b'{"prompt": "x", "top_k": "all"}', "top_k"),
 ])
 def test_bad_bodies_get_openai_errors(srv, body, param):
     r = httpx.post(f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -372,24 +511,82 @@ def test_engine_death_answers_503_and_fails_waiting_requests():
 
 
 @pytest.mark.slow
-def test_ab_burst_over_http_b_within_2x_of_alone():
-    # The client is `batch bench-serve --ab-burst` in its own process (a client does not share
-    # the server's interpreter), the server this test's. B's 5 requests alone, then 100 of A and
-    # 5 of B at once (workloads.ab_burst's lengths); once B's first tokens are in, every stream
-    # is dropped, which also aborts A's requests under load. The GPU's iteration is stretched
-    # (time scale 20: 100 ms + 20 ms a request) so that the HTTP stack's own cost for a burst of
-    # 105 requests on this shared 2-core machine (about 100 ms, client and server together) does
-    # not dominate; at scale 1 it does (docs/server.md: there the server's own ratio stays near
-    # 1.3, the client's does not). Five seeds, the median of their ratios: one seed's ratio
-    # swings with the machine's load (0.9 to 1.8 seen at this scale; at scale 10, 1.1 to 2.9).
-    with LiveServer(time_scale=20.0, seed=3) as s:
+def test_ab_burst_over_http_b_within_1_5x_of_alone_on_the_servers_clock():
+    """The goal (docs/server.md): B's TTFT with A present within 1.5x of B alone, on the server's
+    own clock (handler submit to first token; B's mean TTFT from ``/metrics``), the median over
+    five seeds. The client's ratio (B's median TTFT as the client sees it) carries the HTTP stack's
+    cost for a burst of 105 requests, which grows with the machine's load, so it is held only to
+    5x: a front end that queued B behind A's burst would give 10x and more.
+
+    Measured over 25 runs of this test (its printed line, ``pytest -s``) on the project's 2-core
+    machine (2026-12-02): the server's ratio 0.88-1.34 (median 1.02) at any load seen (load
+    average 1.1-6.3); the client's 1.06-1.53 in the 16 runs at load average <= 2.3, 1.09-1.61 in
+    7 of the 9 runs at 3.2-6.3, and 3.43 and 3.79 in the other two (load 6.3 and 4.0), which the
+    earlier bound on the client's ratio (2x) failed.
+
+    The client is ``batch bench-serve --ab-burst`` in its own process (a client does not share the
+    server's interpreter), the server this test's. B's 5 requests alone, then 100 of A and 5 of B
+    at once (workloads.ab_burst's lengths); once B's first tokens are in, every stream is dropped,
+    which also aborts A's requests under load. The GPU's iteration is stretched (time scale 20:
+    100 ms + 20 ms a request) so that the HTTP stack's cost does not dominate the client's ratio.
+    """
+    with LiveServer(ServerConfig(trust_user_field=True), time_scale=20.0, seed=3) as s:
         out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", s.url,
                               "--ab-burst", "--ab-seeds", "4,5,6,7,8", "--ab-drop-after-b", "--json"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         res = json.loads(out.stdout)
         _assert_idle(s.drained(60))
-    assert res["ratio_median"] <= 2.0, res["ab_burst"]  # B's median TTFT ratio, the median over 3 seeds
+    print(f"A/B over HTTP, median of 5 seeds: server {res['server_ratio_median']:.2f}, "
+          f"client {res['ratio_median']:.2f}")  # pytest -s, repeated: the distribution above
+    assert res["server_ratio_median"] <= 1.5, res["ab_burst"]  # the goal, on the server's clock
+    assert res["ratio_median"] <= 5.0, res["ab_burst"]  # the client's: the HTTP stack's cost included
+
+
+def run_sybil(url: str, attacks: str, *args: str, duration_s: float = 8.0) -> list[dict]:
+    """``batch bench-serve --sybil ATTACKS`` against ``url`` in its own process; each attack's row."""
+    out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", url, "--sybil", attacks,
+                          "--sybil-duration-s", str(duration_s), "--json", *args],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["sybil"]
+
+
+#: The Sybil test's bound: an attacker's share of the tokens (fair: one half).
+SYBIL_MAX_SHARE = 0.55
+
+
+@pytest.mark.slow
+def test_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_only_401s():
+    # An honest key and an attacker's key, each with 64 concurrent long streams (no early EOS) on the
+    # stub's 256-block cache, so the two contend for admission; the honest party streams first
+    # (backlogged), the attacker then floods: with its one key, with its key and a random `user` per
+    # request (the key decides), and with a made-up key per request (401s, no token).
+    cfg = ServerConfig(api_keys={"sk-honest": "honest", "sk-attacker": "attacker"})
+    with LiveServer(cfg, eos_probability=0.0, time_scale=1.0) as s:
+        rows = run_sybil(s.url, "one-key,key-random-user,made-up-keys", "--honest-key", "sk-honest",
+                         "--attacker-key", "sk-attacker")
+        _assert_idle(s.drained(60))
+    print("sybil, single server:", [(r["attack"], r["attacker_share"], r["attacker_statuses"]) for r in rows])
+    one, rnd, made_up = rows
+    for r in (one, rnd):
+        assert r["attacker_tokens"] > 0 and set(r["attacker_statuses"]) == {"200"}, r
+        assert r["attacker_share"] <= SYBIL_MAX_SHARE, r
+    assert made_up["attacker_tokens"] == 0 and made_up["honest_tokens"] > 0, made_up
+    assert set(made_up["attacker_statuses"]) == {"401"} and made_up["attacker_statuses"]["401"] >= 64, made_up
+
+
+@pytest.mark.slow
+def test_sybil_control_random_user_names_take_most_tokens_where_the_user_field_is_trusted():
+    # The control: the same flood where the body's `user` is trusted and not checked (no keys,
+    # --trust-user-field, the rule every keyless request followed before): each made-up name is a new
+    # user, lifted to the least counter, so the attacker takes more than the bound above (measured
+    # 0.64 over 5 s, 0.97 over 15 s): the test measures the identity rule.
+    with LiveServer(ServerConfig(trust_user_field=True), eos_probability=0.0, time_scale=1.0) as s:
+        (row,) = run_sybil(s.url, "random-user")
+        _assert_idle(s.drained(60))
+    print("sybil control, user field trusted:", row["attacker_share"])
+    assert row["attacker_share"] > SYBIL_MAX_SHARE, row
 
 
 # ---------------------------------------------------------------- the command
@@ -536,7 +733,8 @@ def test_engine_death_answers_requests_queued_during_the_fatal_tick():
 
 
 def test_per_user_metric_labels_are_bounded():
-    with LiveServer(ServerConfig(known_users=("vip",), max_user_labels=3), weights={"vip": 2}) as s:
+    with LiveServer(ServerConfig(known_users=("vip",), max_user_labels=3, trust_user_field=True),
+                    weights={"vip": 2}) as s:
         for u in ["vip", *(f"rnd{i}" for i in range(8))]:
             r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2, "user": u})
             assert r.status_code == 200
@@ -547,6 +745,21 @@ def test_per_user_metric_labels_are_bounded():
     gen = {k.split('"')[1] for k in m if k.startswith("batch:generation_tokens_total{")}
     ttft = {k.split('"')[1] for k in m if k.startswith("batch:user_time_to_first_token_seconds_count{")}
     assert gen == ttft == labelled
+
+
+def test_the_servers_own_per_user_state_stays_bounded_over_many_users():
+    # outside the scheduler, the server keeps per user only its metric labels: the config's users
+    # and the first max_user_labels others; 20,000 more users add no label and no series
+    from batch.server.metrics import ServerMetrics
+    m = ServerMetrics(build_engine(time_scale=0.01)[0], known_users=("vip",), max_user_labels=10)
+    for i in range(20_000):
+        label = m.user_label(f"u{i}")
+        m.prompt_tokens.labels(label).inc(3)
+        m.generation_tokens.labels(label).inc(1)
+        m.user_ttft.labels(label).observe(0.01)
+    assert len(m._labels) == 11
+    series = {k for k in m.render().decode().splitlines() if k.startswith("batch:prompt_tokens_total{")}
+    assert len(series) == 11  # u0..u9 and "other" ("vip" has none yet)
 
 
 @pytest.mark.parametrize("sig, times", [("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
@@ -629,6 +842,13 @@ def test_neutral_values_of_unsupported_options_are_accepted(srv):
     body = {"prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": "",
             "stop": [], "temperature": 0.7}
     assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+    sampling = {"temperature": 0, "top_p": 1, "presence_penalty": -2, "frequency_penalty": 0.5, "seed": 3,
+                "logit_bias": {"5": -100}, "top_k": 40, "min_p": 0.1, "repetition_penalty": 1.1,
+                "stream_options": None}
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **sampling}).status_code == 200
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True,
+                                                               "stream_options": {"include_usage": False}}) as r:
+        assert r.status_code == 200 and list(r.iter_lines())[-2] == "data: [DONE]"
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 1, "logprobs": False, "stop": None}
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat).status_code == 200
 

@@ -67,7 +67,7 @@ class SimReplica:
         """Its load report for the router."""
         s = self.scheduler
         return ReplicaLoad(waiting=len(s.policy), running=len(s.running),
-                           free_kv_blocks=s.kv_cap_blocks - s.pool.num_used, received=self.received)
+                           free_kv_blocks=s.config.kv_cap_blocks - s.pool.num_used, received=self.received)
 
     def granted_tokens(self, user: str) -> float:
         """Service it granted ``user`` so far (synced or not), weighted tokens."""
@@ -76,13 +76,12 @@ class SimReplica:
         acc = p._unpublished.get(user)  # noqa: SLF001 - the same package's policy
         if acc is not None:
             units += fr.charged_counter(0, fr.service_units(acc[0], acc[1], p.prompt_price, p.output_price),
-                                        p.weight_of(user))
+                                        p.weight(user))
         return units / fr.COUNTER_SCALE
 
     def backlogged_users(self) -> set[str]:
         """Users with a request waiting here."""
-        q = self.policy._q  # noqa: SLF001
-        return {u for u in q.users if q.backlogged(u)}
+        return set(self.policy.waiting_users())
 
 
 class GapMeter:

@@ -28,10 +28,11 @@ Standard library only.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from batch.policies.vtc import VTCPolicy
 from spec import fairness_rules as fr
@@ -45,10 +46,14 @@ class SyncReply(NamedTuple):
     Attributes:
         service: user -> service published by every replica but the caller.
         lifts: user -> lift level (the most any replica lifted the user; absent: 0).
+        forgotten: users the store forgot since this replica's last sync (``GlobalCounters``,
+            ``forget_idle``): their published counters carried no information; the replica's
+            policy forgets them too where they are idle (``forget_users``).
     """
 
     service: dict[str, int]
     lifts: dict[str, int]
+    forgotten: tuple[str, ...] = ()
 
 
 class PendingSync:
@@ -90,15 +95,55 @@ class GlobalCounters:
     divided by the user's weight). Totals only grow: the service of a replica that died stays
     counted. A lift level is a max-register: a publish keeps the larger of the stored and the new
     level. Thread-safe (one lock); as a Ray actor its methods run one at a time anyway.
+
+    **Forgetting** (``forget_idle``): at each ``sync`` that reports the replica's state, the store
+    forgets every user that is idle on every replica (nothing waiting or resident in any replica's
+    latest report) and whose global counter ``c_u`` is at or below what the lift would give it
+    back on return: ``forgettable(c_u, lift_floor(0, m, True, T))``, i.e.
+    ``c_u <= m - T - 1``, ``m`` the least global counter among the users waiting on any replica and
+    ``T`` the policy's tolerance (counter units). Such a counter carries no information: on return
+    the user is lifted to at least ``m - T - 1`` whether it is remembered or not (docs/scale-out.md,
+    "Forgetting idle users"). Its service, lift level and per-replica entries are dropped, and each
+    replica hears of it in its next ``SyncReply.forgotten`` so that its policy forgets the user too
+    (a store that forgot while a replica's policy remembered would restart the user's published
+    service from 0 under that replica's raise-only offsets). Nothing is forgotten while nobody
+    waits (no lift to come back to), nor while a replica that published has not reported its state.
+    A replica silent for ``stale_replica_s`` is dropped from the reports (a dead one would otherwise
+    pin its last users and collect news forever); its published service stays counted.
+
+    Args:
+        forget_idle: forget as above (off: totals are kept for the life of the store).
+        tolerance_units: the policy's tolerance ``T``, counter units (``VTCPolicy``'s
+            ``tolerance_tokens * COUNTER_SCALE``; every replica uses the same).
+        stale_replica_s: seconds without a sync after which a replica's report no longer counts.
+        clock: seconds (default ``time.monotonic``).
+
+    Raises:
+        ValueError: ``tolerance_units`` not an int >= 0, or ``stale_replica_s`` not > 0.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, forget_idle: bool = False, tolerance_units: int = 0, stale_replica_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(tolerance_units, bool) or not isinstance(tolerance_units, int) or tolerance_units < 0:
+            raise ValueError(f"tolerance_units must be an int >= 0, got {tolerance_units!r}")
+        if not stale_replica_s > 0:
+            raise ValueError(f"stale_replica_s must be > 0 seconds, got {stale_replica_s!r}")
         self._by_replica: dict[str, dict[str, int]] = {}
         self._total: dict[str, int] = {}
         self._lift: dict[str, int] = {}
         self._lock = threading.Lock()
         self.syncs = 0
         self.observer: GapObserver | None = None
+        self.forget_idle = forget_idle
+        self.tolerance_units = tolerance_units
+        self.stale_replica_s = stale_replica_s
+        self.clock = clock
+        self._waiting: dict[str, frozenset[str]] = {}  # replica -> users waiting there (its latest report)
+        self._active: dict[str, frozenset[str]] = {}  # replica -> users waiting or resident there
+        self._seen_s: dict[str, float] = {}  # replica -> time of its latest report (live ones)
+        self._reported: set[str] = set()  # replicas that ever reported their state
+        self._news: dict[str, list[str]] = {}  # replica -> users forgotten since its last sync
+        self.forgotten = 0  # users forgotten so far
 
     def publish(self, replica_id: str, deltas: Mapping[str, int], lifts: Mapping[str, int] | None = None) -> None:
         """Add ``deltas`` (user -> counter units >= 0) to ``replica_id``'s published service, and
@@ -145,15 +190,20 @@ class GlobalCounters:
 
     def _reply_locked(self, replica_id: str) -> SyncReply:
         own = self._by_replica.get(replica_id, {})
-        return SyncReply({u: t - own.get(u, 0) for u, t in self._total.items()}, dict(self._lift))
+        news = self._news.get(replica_id)
+        if news:
+            self._news[replica_id] = []
+        return SyncReply({u: t - own.get(u, 0) for u, t in self._total.items()}, dict(self._lift),
+                         tuple(news or ()))
 
     def sync(self, replica_id: str, deltas: Mapping[str, int], state: Mapping[str, Any] | None = None,
              lifts: Mapping[str, int] | None = None) -> SyncReply:
         """``publish(replica_id, deltas, lifts)`` then ``reply(replica_id)``, in one step under the
         lock: one round trip.
 
-        ``state`` (optional, for measurement): the replica's ``{"waiting": [users], "resident":
-        {user: requests}}`` at this sync, handed to ``observer`` (a ``GapObserver``) if one is set.
+        ``state`` (optional): the replica's ``{"waiting": [users], "resident": {user: requests}}``
+        at this sync: what forgetting goes by (``forget_idle``), and handed to ``observer`` (a
+        ``GapObserver``) if one is set.
 
         Raises:
             ValueError: as ``publish`` (nothing is changed then).
@@ -163,12 +213,72 @@ class GlobalCounters:
         with self._lock:
             rose = self._publish(replica_id, deltas, lifts or {})
             self.syncs += 1
+            if state is not None:
+                waiting = frozenset(state.get("waiting", ()))
+                self._waiting[replica_id] = waiting
+                self._active[replica_id] = waiting | frozenset(state.get("resident", {}))
+                self._seen_s[replica_id] = self.clock()
+                self._reported.add(replica_id)
+                self._news.setdefault(replica_id, [])
             if self.observer is not None and state is not None:
                 rises = dict(deltas)
                 for u, r in rose.items():
                     rises[u] = rises.get(u, 0) + r
                 self.observer.observe(replica_id, rises, state, self._counters_locked())
+            if self.forget_idle and state is not None:
+                self._forget_locked()
             return self._reply_locked(replica_id)
+
+    def _forget_locked(self) -> list[str]:
+        """Under the lock: forget the users whose counters carry no information (class doc);
+        returns them. O(users)."""
+        now = self.clock()
+        for r in [r for r, t in self._seen_s.items() if now - t > self.stale_replica_s]:
+            for d in (self._waiting, self._active, self._seen_s, self._news):
+                d.pop(r, None)
+        if any(r not in self._reported for r in self._by_replica):
+            return []  # a replica that published never reported what is active there
+        waiting = frozenset().union(*self._waiting.values())
+        if not waiting:
+            return []  # nobody to be lifted against: a returning user would keep its own counter
+        total, lift = self._total, self._lift
+        least = min(total.get(u, 0) + lift.get(u, 0) for u in waiting)
+        tol = self.tolerance_units
+        floor = fr.lift_floor(0, least, True, tol)  # at most what a returning user is lifted to, anywhere
+        if floor <= 0:
+            return []
+        active = frozenset().union(*self._active.values())
+        gone = [u for u in {*total, *lift} if u not in active
+                and fr.forgettable(total.get(u, 0) + lift.get(u, 0), floor)]
+        for u in gone:
+            total.pop(u, None)
+            lift.pop(u, None)
+            for own in self._by_replica.values():
+                own.pop(u, None)
+        if gone:
+            for news in self._news.values():
+                news.extend(gone)
+            self.forgotten += len(gone)
+        return gone
+
+    def size(self) -> dict[str, int]:
+        """How much the store holds: ``users`` (with service or a lift level), ``entries``
+        (per-replica service entries), ``pending_news`` (forgotten users not yet told to a
+        replica), ``forgotten`` (so far)."""
+        with self._lock:
+            return {"users": len({*self._total, *self._lift}),
+                    "entries": sum(len(m) for m in self._by_replica.values()),
+                    "pending_news": sum(len(n) for n in self._news.values()), "forgotten": self.forgotten}
+
+    def process(self) -> dict[str, int | None]:
+        """The store's process: ``pid`` and ``rss_bytes`` (resident memory, from
+        ``/proc/self/statm``; ``None`` where there is none): the Ray actor's, for ``/metrics``."""
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            rss = None
+        return {"pid": os.getpid(), "rss_bytes": rss}
 
     def observe_gap(self, staleness_s: float) -> None:
         """Start measuring the counter gap and its bound's terms at each sync (``GapObserver``)."""
@@ -317,17 +427,17 @@ class GlobalVTCPolicy(VTCPolicy):
         """user -> ``lift_level(user)`` for every user lifted here or read lifted (a copy)."""
         return dict(self._lift_level)
 
-    def _activate(self, user: str) -> None:
+    def lift(self, user: str) -> None:
         before = self.counter(user)
-        super()._activate(user)
-        lift = self.counter(user) - before
-        if lift:
-            self._lift_level[user] = self._lift_level.get(user, 0) + lift
+        super().lift(user)
+        rise = self.counter(user) - before
+        if rise:
+            self._lift_level[user] = self._lift_level.get(user, 0) + rise
             self._lift_changed.add(user)
 
-    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
-        """``VTCPolicy.on_service``, and remember the tokens for the next ``sync``. O(1)."""
-        super().on_service(user_id, prompt_tokens, output_tokens)
+    def charge(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """``VTCPolicy.charge``, and remember the tokens for the next ``sync``. O(1)."""
+        super().charge(user_id, prompt_tokens, output_tokens)
         acc = self._unpublished.get(user_id)
         if acc is None:
             self._unpublished[user_id] = [prompt_tokens, output_tokens]
@@ -335,13 +445,18 @@ class GlobalVTCPolicy(VTCPolicy):
             acc[0] += prompt_tokens
             acc[1] += output_tokens
 
+    def on_idle(self, user_id: str) -> None:
+        """Forgets nothing on its own (a view adds the others' service as last synced, which a
+        forgotten own counter would not restore): the store says whom to forget (``forget_users``)."""
+        self._active.discard(user_id)
+
     def take_deltas(self) -> dict[str, int]:
         """The service granted since the last call, user -> counter units (weighted, rounded up
         once per call as ``charged_counter`` does); clears it. Adds it to ``service_units``."""
         out: dict[str, int] = {}
         for user, (p, o) in self._unpublished.items():
             units = fr.charged_counter(0, fr.service_units(p, o, self.prompt_price, self.output_price),
-                                       self.weight_of(user))
+                                       self.weight(user))
             out[user] = units
             self.service_units[user] = self.service_units.get(user, 0) + units
         self._unpublished = {}
@@ -390,7 +505,16 @@ class GlobalVTCPolicy(VTCPolicy):
         pending.clear()
         self.take_reply(reply)
 
+    def forget_users(self, users: Iterable[str]) -> None:
+        """Drop what this replica knows of ``users`` the store forgot, where they are idle here:
+        their counter, offset, lift level and unpublished service (a forgotten user reads 0
+        everywhere, and the store's rule makes that what its return would give it)."""
+        for u in users:
+            if u not in self._active:
+                for known in (self._counter, self._offset, self._add, self._lift_level, self._unpublished):
+                    known.pop(u, None)
+                self._lift_changed.discard(u)
+
     def waiting_users(self) -> list[str]:
         """Users with a request waiting in this policy's queue."""
-        q = self._q
-        return [u for u in q.users if q.backlogged(u)]
+        return list(self._queues)

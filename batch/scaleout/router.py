@@ -29,6 +29,7 @@ Standard library only.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
@@ -80,10 +81,10 @@ class ReplicaLoad:
         free_kv_blocks: KV blocks not held.
         received: requests this replica has accepted or refused since it started (a running
             total; the router subtracts it from what it sent to get those still in transit).
-        by_user: user -> its unfinished requests there, for a router that cannot see requests
-            end (Ray Serve's); ``None`` when the router counts them itself (``Router.done``).
-        received_by_user: user -> its requests received there (a running total), with
-            ``by_user``: the router adds the user's requests sent since (in transit).
+        by_user: user -> its unfinished requests there (users with none absent), for a router
+            that cannot see requests end (Ray Serve's); ``None`` when the router counts them itself
+            (``Router.done``). The router adds the user's requests still in transit (sent, not yet
+            counted in ``received``).
     """
 
     waiting: int = 0
@@ -91,7 +92,6 @@ class ReplicaLoad:
     free_kv_blocks: int = 0
     received: int = 0
     by_user: dict[str, int] | None = None
-    received_by_user: dict[str, int] | None = None
 
 
 class Router:
@@ -115,8 +115,12 @@ class Router:
         self._sent: dict[Hashable, int] = {}
         self._last_pick: dict[Hashable, int] = {}
         self._clock = itertools.count(1)
-        self._mine: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent, not done
-        self._sent_user: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent (all time)
+        self._mine: dict[Hashable, dict[str, int]] = {}  # replica -> user -> sent, not done (none: absent)
+        # requests in transit, for replicas that report by_user: the users of the sends not yet counted
+        # in the replica's ``received``, in send order (taken as arrival order), and their count per user
+        self._transit: dict[Hashable, deque[str | None]] = {}
+        self._transit_user: dict[Hashable, dict[str, int]] = {}  # replica -> user -> in transit (none: absent)
+        self._acked: dict[Hashable, int] = {}  # replica -> sends its reports have counted
         self.picks: dict[Hashable, int] = {}  # replica -> requests sent to it (all time)
         for r in replicas:
             self.add(r)
@@ -132,7 +136,9 @@ class Router:
         self._sent[replica] = (load.received if load else 0)
         self._last_pick.setdefault(replica, 0)
         self._mine[replica] = {}
-        self._sent_user[replica] = dict(load.received_by_user or {}) if load else {}
+        self._transit[replica] = deque()
+        self._transit_user[replica] = {}
+        self._acked[replica] = self._sent[replica]
         self.picks.setdefault(replica, 0)
 
     def remove(self, replica: Hashable) -> None:
@@ -140,18 +146,32 @@ class Router:
         self._load.pop(replica, None)
         self._sent.pop(replica, None)
         self._mine.pop(replica, None)
-        self._sent_user.pop(replica, None)
+        self._transit.pop(replica, None)
+        self._transit_user.pop(replica, None)
+        self._acked.pop(replica, None)
 
     def done(self, replica: Hashable, user: str) -> None:
         """A request of ``user`` sent to ``replica`` finished (or was aborted or refused)."""
         mine = self._mine.get(replica)
         if mine is not None and mine.get(user, 0) > 0:
             mine[user] -= 1
+            if not mine[user]:
+                del mine[user]  # per-user state only while the user has requests there
 
     def report(self, replica: Hashable, load: ReplicaLoad) -> None:
-        """Take ``replica``'s latest load report (ignored for a replica not routed to)."""
+        """Take ``replica``'s latest load report (ignored for a replica not routed to); the sends it
+        counts as received leave the in-transit list, oldest first."""
         if replica in self._load:
             self._load[replica] = load
+            transit, counts = self._transit[replica], self._transit_user[replica]
+            arrived = min(load.received, self._sent[replica]) - self._acked[replica]
+            for _ in range(max(0, arrived)):
+                user = transit.popleft()
+                if user is not None:
+                    counts[user] -= 1
+                    if not counts[user]:
+                        del counts[user]
+            self._acked[replica] += max(0, arrived)
 
     def pending(self, replica: Hashable) -> int:
         """Requests sent to ``replica`` that its last report did not count yet (>= 0)."""
@@ -166,8 +186,7 @@ class Router:
             if load.by_user is None:  # the router's own count (``done``)
                 mine = self._mine[replica].get(user, 0)
             else:  # the replica's, plus what was sent since its report
-                transit = self._sent_user[replica].get(user, 0) - (load.received_by_user or {}).get(user, 0)
-                mine = load.by_user.get(user, 0) + max(0, transit)
+                mine = load.by_user.get(user, 0) + self._transit_user[replica].get(user, 0)
         return (load.waiting + self.pending(replica) + mine, -load.free_kv_blocks, self._last_pick[replica])
 
     def pinned(self, user: str | None, exclude: Iterable[Hashable] = ()) -> Hashable | None:
@@ -221,8 +240,10 @@ class Router:
         self._sent[replica] += 1
         self._last_pick[replica] = next(self._clock)
         self.picks[replica] += 1
+        self._transit[replica].append(user)
         if user is not None:
-            mine = self._mine[replica]
-            mine[user] = mine.get(user, 0) + 1
-            sent = self._sent_user[replica]
-            sent[user] = sent.get(user, 0) + 1
+            if self._load[replica].by_user is None:  # the router counts them itself (``done``)
+                mine = self._mine[replica]
+                mine[user] = mine.get(user, 0) + 1
+            counts = self._transit_user[replica]
+            counts[user] = counts.get(user, 0) + 1

@@ -10,16 +10,20 @@ exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
 ``max_completion_tokens``; default 16), ``stream``, ``stream_options.include_usage``,
 ``user``, ``model`` (must be the served name when given). Refused with a 400 naming the field,
 as not implemented: ``n`` other than 1, ``best_of`` over 1, ``echo``, ``logprobs``,
-``suffix``, a non-empty ``stop``. Other OpenAI fields (temperature, top_p, ...) are accepted and
-ignored: decoding is the backend's (the simulated GPU's draw, or the model's greedy argmax).
+``suffix``, a non-empty ``stop``. The sampling parameters (``temperature``, ``top_p``,
+``presence_penalty``, ``frequency_penalty``, ``seed``, ...) are checked (type and range, a 400
+naming the field) and then ignored: decoding is the backend's (the simulated GPU's draw, or the
+model's greedy argmax). ``stream_options`` without ``"stream": true`` is a 400.
 
-Fairness key (the scheduler's ``user_id``): the API key of an ``Authorization: Bearer``
-header, mapped to a user name by the config's ``api_keys`` when listed there, else ``key-`` +
-the first 12 hex digits of its SHA-256 (the key itself is never shown); the body's ``user``
-only when there is no key (or, with ``trust_user_field``, over the key: a client could then
-escape its share by naming a new user per request); else ``"anonymous"``.
+Authentication and the fairness identity (the scheduler's ``user_id``) follow
+``batch.server.auth.Identities``: with ``api_keys`` configured, every ``/v1`` route needs a
+listed key (``Authorization: Bearer KEY``; else 401 ``invalid_api_key``, checked before the body
+is read) and the identity is the key's user; without keys, the body's ``user`` only with
+``trust_user_field``, a trusted gateway's header with ``user_header``, else ``"anonymous"`` for
+every request. ``/health`` is always open; ``/metrics`` needs a key when ``metrics_need_key``.
 
-Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 401 without a
+valid key (code ``invalid_api_key``), 400 for a
 body that is not JSON or fails validation (strict types; ``param`` names the field), 400 for
 text that is not valid Unicode (a lone surrogate), 400 for an option not implemented (``n``,
 ``best_of``, ``echo``, ``logprobs``, ``suffix``, ``stop``), 400 for a prompt that can never fit
@@ -27,13 +31,15 @@ text that is not valid Unicode (a lone surrogate), 400 for an option not impleme
 model (code ``model_not_found``) or path, 429 with ``Retry-After`` when ``max_waiting``
 requests already wait for their first token, 503 when the engine thread is down, 500
 ``server_error`` for any exception a handler did not expect. Each error answer is counted in
-``batch:request_rejected_total{code}`` by the app's error handlers.
+``batch:request_rejected_total{code}`` by the app's error handlers. A client that closes its
+connection while still sending the body is counted as 499 (client closed request), with one log
+line and no traceback.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -41,19 +47,25 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from batch.server.auth import AuthError, Identities
 from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
 from scheduler import RequestError
 
-__all__ = ["ServerConfig", "ApiError", "create_app", "read_json_body"]
+__all__ = ["ServerConfig", "ApiError", "ClientClosed", "CompletionBody", "create_app", "read_json_body",
+           "validation_error"]
 
 #: ``max_tokens`` when the body gives none (OpenAI's default for completions).
 DEFAULT_MAX_TOKENS = 16
+
+log = logging.getLogger("batch.server")
 
 
 @dataclass
@@ -65,11 +77,15 @@ class ServerConfig:
         max_waiting: most requests accepted and still waiting for their first token; one more
             gets 429 (backpressure). >= 1.
         retry_after_s: the ``Retry-After`` header of a 429, whole seconds.
-        api_keys: API key -> user name (fairness key for requests without ``user``).
+        api_keys: API key -> user name; non-empty: every ``/v1`` request needs one of these
+            keys (401 otherwise) and its user is the request's fairness identity.
         seed_by_prompt: key the simulated GPU's tokens by the prompt (``SeededGPU``).
         max_body_bytes: largest request body read; a larger one gets 413 before it is parsed.
-        trust_user_field: the body's ``user`` wins over the API key as the fairness key (off:
-            the key decides, so a key's holder cannot claim a fresh share per request).
+        trust_user_field: without ``api_keys``, the body's ``user`` is the fairness identity
+            (for a trusted front end that sets it); refused with ``api_keys``.
+        user_header: without ``api_keys``, the fairness identity is this request header's value,
+            set by a trusted gateway (``None``: off); refused with ``api_keys``.
+        metrics_need_key: ``/metrics`` needs a configured key too (needs ``api_keys``).
         known_users: users labelled by name in per-user metrics (the config's weighted users;
             the users of ``api_keys`` are added).
         max_user_labels: how many other users get their own per-user metric label; later ones
@@ -83,6 +99,8 @@ class ServerConfig:
     seed_by_prompt: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     trust_user_field: bool = False
+    user_header: str | None = None
+    metrics_need_key: bool = False
     known_users: tuple[str, ...] = ()
     max_user_labels: int = 100
 
@@ -105,6 +123,12 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
         self.code = status if code is None else code
 
+    @classmethod
+    def of(cls, e: AuthError) -> "ApiError":
+        """The answer to an identity error: a 401 carries ``WWW-Authenticate: Bearer``."""
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return cls(e.status, e.message, param=e.param, headers=headers, code=e.code)
+
     def response(self) -> JSONResponse:
         """The JSON response: ``{"error": {"message", "type", "param", "code"}}``."""
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -112,6 +136,13 @@ class ApiError(Exception):
 
 
 # ---------------------------------------------------------------- request bodies
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a last chunk with the token counts)."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = None
 
 
 class _Body(BaseModel):
@@ -122,8 +153,18 @@ class _Body(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     stream: StrictBool | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # sampling parameters: checked as OpenAI (and vLLM) check them, then ignored (decoding is the backend's)
+    temperature: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
+    seed: StrictInt | None = None
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0)
     # OpenAI fields this server does not implement: refused (400) unless absent or neutral
     n: StrictInt | None = None
     best_of: StrictInt | None = None
@@ -131,6 +172,12 @@ class _Body(BaseModel):
     logprobs: StrictBool | StrictInt | None = None
     suffix: StrictStr | None = None
     stop: StrictStr | list[StrictStr] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_Body":
+        if self.stream_options is not None and self.stream is not True:
+            raise ValueError("stream_options: only allowed with \"stream\": true")
+        return self
 
     def check_supported(self) -> None:
         """Raise a 400 naming the field for an option this server would otherwise ignore:
@@ -177,19 +224,24 @@ async def _body(model: Any, request: Request, max_body_bytes: int, srv: Any) -> 
     try:
         body = model.model_validate(await read_json_body(request, max_body_bytes))
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     body.check_supported()
     srv.check_model(body.model)
     return body
 
 
-def _validation_error(e: ValidationError) -> ApiError:
-    """The first validation error as a 400 naming the top-level field (``param``)."""
+def validation_error(e: ValidationError) -> ApiError:
+    """The first validation error as a 400 naming the top-level field (``param``); a check of the
+    whole body (``stream_options`` without ``stream``) names the field its message starts with."""
     err = e.errors()[0]
     loc = err.get("loc", ())
     param = str(loc[0]) if loc else None
     if param == "prompt":
         msg = "must be a string, a list of token ids, or a list of one of those"
+    elif param is None and err.get("type") == "value_error":
+        text = str(err.get("ctx", {}).get("error", err.get("msg", "invalid")))
+        param = text.split(":", 1)[0]
+        return ApiError(400, text, param=param)
     else:
         where = ".".join(str(x) for x in loc[1:])
         msg = f"{where + ': ' if where else ''}{err.get('msg', 'invalid')}"
@@ -227,10 +279,13 @@ class _Server:
         if cfg.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {cfg.max_body_bytes}")
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.identities = Identities(cfg.api_keys, trust_user_field=cfg.trust_user_field, user_header=cfg.user_header)
+        if cfg.metrics_need_key and not self.identities.required:
+            raise ValueError("metrics_need_key needs api_keys: there is no key to ask for")
         self.metrics = ServerMetrics(engine, (*cfg.known_users, *cfg.api_keys.values()), cfg.max_user_labels)
         self.waiting = 0  # accepted, no first token or end yet (event loop only)
         self.created = int(time.time())
-        self.max_prompt_tokens = engine.scheduler.max_model_len_tokens - 1
+        self.max_prompt_tokens = engine.scheduler.config.max_model_len_tokens - 1
         engine.on_tick = self._on_tick
         self._model_json = json.dumps(cfg.model_name)
 
@@ -243,14 +298,29 @@ class _Server:
 
     # ------------------------------------------------------------ request handling
 
-    def user_of(self, body_user: str | None, request: Request) -> str:
-        """The fairness key: the bearer API key's user (the body's ``user`` ignored, unless
-        ``trust_user_field``); without a key, ``user``; else ``anonymous``."""
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if key and not (body_user and self.cfg.trust_user_field):
-            return self.cfg.api_keys.get(key) or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-        return body_user or "anonymous"
+    def authenticate(self, request: Request) -> str | None:
+        """Before the body is read: the identity the headers give (the key's user, or a trusted
+        gateway's header), or ``None`` when the body's ``user`` decides (``Identities``).
+
+        Raises:
+            ApiError: 401 without a valid key when keys are configured; 400 for a bad header.
+        """
+        try:
+            return self.identities.authenticate(request.headers)
+        except AuthError as e:
+            raise ApiError.of(e) from None
+
+    def user_of(self, principal: str | None, body_user: str | None) -> str:
+        """The fairness identity: ``principal`` when the headers decided, else the body's
+        ``user`` (trusted only with ``trust_user_field``), else ``anonymous``.
+
+        Raises:
+            ApiError: 400 naming ``user`` for a trusted ``user`` that is too long.
+        """
+        try:
+            return self.identities.user(principal, body_user)
+        except AuthError as e:
+            raise ApiError.of(e) from None
 
     def check_model(self, model: str | None) -> None:
         """Raise a 404 ``ApiError`` unless ``model`` is ``None`` or the served name."""
@@ -277,7 +347,7 @@ class _Server:
         s, limit = self.engine.scheduler, self.max_prompt_tokens
         n = f"more than {limit}" if n_tokens == limit + 1 else str(n_tokens)
         return ApiError(400, f"prompt: {n} tokens; this server's limit is {limit} prompt tokens (KV cache "
-                             f"{s.kv_cap_blocks} blocks x {s.block_tokens} tokens = {s.max_model_len_tokens}, "
+                             f"{s.config.kv_cap_blocks} blocks x {s.config.block_tokens} tokens = {s.config.max_model_len_tokens}, "
                              f"one slot kept for the first output token)", param="prompt")
 
     async def prompt_ids(self, prompt: Any) -> list[int]:
@@ -336,22 +406,38 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+class ClientClosed(ApiError):
+    """The client closed its connection while still sending the body: 499 (nginx's "client
+    closed request"), not a server error; nobody reads the answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(499, message, code=499)
+
+
 async def read_json_body(request: Request, max_bytes: int) -> Any:
     """The body parsed as JSON; 413 past ``max_bytes`` (by ``Content-Length`` before reading,
-    or by the bytes read), 400 if it is not JSON (also when nested too deeply to parse).
+    or by the bytes read), 400 if it is not JSON (also when nested too deeply to parse), 499
+    when the client closes the connection before the body's end (logged as one line).
 
     Raises:
-        ApiError: 413 or 400, as above (the replicas' ``Ingress`` answers with it too).
+        ApiError: 413 or 400, as above; ``ClientClosed`` (499) (the replicas' ``Ingress``
+            answers with them too).
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the body is {int(declared)} bytes; this server's limit is {max_bytes} bytes")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > max_bytes:
-            raise ApiError(413, f"the body is over this server's limit of {max_bytes} bytes")
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > max_bytes:
+                raise ApiError(413, f"the body is over this server's limit of {max_bytes} bytes")
+            parts.append(part)
+    except ClientDisconnect:
+        of = f" of {int(declared)}" if declared.isdigit() else ""
+        msg = f"client closed the connection while sending the body ({size}{of} bytes read)"
+        log.warning("%s %s: %s: answered 499", request.method, request.url.path, msg)
+        raise ClientClosed(msg) from None
     raw = b"".join(parts)
     try:
         return json.loads(raw)
@@ -424,35 +510,46 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        """Every metric in Prometheus' text format (``batch.server.metrics``)."""
+    async def metrics(request: Request) -> Response:
+        """Every metric in Prometheus' text format (``batch.server.metrics``); a 401 without a
+        configured key when ``metrics_need_key``."""
+        if cfg.metrics_need_key:
+            try:
+                srv.identities.check_key(request.headers)
+            except AuthError as e:
+                raise ApiError.of(e) from None
         text = await asyncio.get_running_loop().run_in_executor(None, srv.metrics.render)  # off the loop
         return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
         """The one served model, OpenAI's list shape."""
+        srv.authenticate(request)
         return JSONResponse({"object": "list", "data": [{"id": cfg.model_name, "object": "model",
                                                          "created": srv.created, "owned_by": "batch"}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         """OpenAI's completions: a ``text_completion`` object, or its chunks as server-sent events."""
+        principal = srv.authenticate(request)  # before the body is read
         body = await _body(CompletionBody, request, cfg.max_body_bytes, srv)
+        user = srv.user_of(principal, body.user)
         ids = await srv.prompt_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
-        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "cmpl", bool(body.stream))
+        sink = srv.admit(ids, max_tokens, user, "cmpl", bool(body.stream))
         return await _respond(srv, request, sink, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         """OpenAI's chat completions: a ``chat.completion`` object, or ``chat.completion.chunk`` events."""
+        principal = srv.authenticate(request)  # before the body is read
         body = await _body(ChatBody, request, cfg.max_body_bytes, srv)
+        user = srv.user_of(principal, body.user)
         msgs = [{"role": _check_text(m.role, "messages"), "content": _check_text(_text_of(m), "messages")}
                 for m in body.messages]
         ids = await srv.tokenize(messages=msgs)
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-        sink = srv.admit(ids, max_tokens, srv.user_of(body.user, request), "chatcmpl", bool(body.stream))
+        sink = srv.admit(ids, max_tokens, user, "chatcmpl", bool(body.stream))
         return await _respond(srv, request, sink, body, chat=True)
 
     return app
@@ -476,7 +573,7 @@ def _usage(sink: TokenSink) -> dict[str, int]:
 
 async def _respond(srv: _Server, request: Request, sink: TokenSink, body: _Body, chat: bool) -> Response:
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(srv, sink, chat, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     watch = asyncio.ensure_future(_wait_disconnect(request))

@@ -5,6 +5,7 @@
     batch bench-serve --max-concurrency 64 --num-prompts 2000 --request-rate inf   # 64 streams at a time
     batch bench-serve --ab-burst --ab-seeds 4,5,6                         # the A/B fairness burst over HTTP
     batch bench-serve --num-prompts 10000 --disconnect-prob 0.3 --check-drained
+    batch bench-serve --sybil one-key,made-up-keys --honest-key sk-alice --attacker-key sk-mallory
 
 Every request streams (``/v1/completions``, ``stream: true``) over ``httpx`` (async). Client
 times, per request: TTFT (send to the first chunk), ITL (between chunks), TPOT ((e2el - TTFT)
@@ -26,11 +27,22 @@ held, nothing running or waiting, and every request it accepted finished or abor
 requests of user A, 5 of user B, the same lengths), all sent at once (``--ab-window-s`` spreads
 them over their arrival offsets instead), and B's 5 alone, fresh user names for each phase;
 it prints B's median TTFT with A over B's median TTFT alone, per seed.
+
+``--sybil one-key,key-random-user,made-up-keys,random-user`` is the Sybil test: an honest party
+(``--honest-key``) keeps ``--sybil-concurrency`` (64) long streams open; a second later an
+attacker keeps as many open, claiming identities as each attack says (its one key
+``--attacker-key``; its key with a random ``user`` per request; a made-up key per request; no key
+and a random ``user`` per request). It prints the attacker's share of the tokens streamed in
+``--sybil-duration-s`` and the statuses it got (401s for made-up keys on a server with keys).
+Start the server with ``--eos-probability 0`` so that streams do not end early. Per-user state
+carries over from one attack to the next (a fresh server per attack measures each alone); the
+honest party starts first, so an attacker's own history can only lower its share.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -42,7 +54,7 @@ from typing import Any, Sequence
 
 import httpx
 
-__all__ = ["Job", "Result", "run_jobs", "summarize", "ab_burst_ratio", "main"]
+__all__ = ["Job", "Result", "run_jobs", "summarize", "ab_burst_ratio", "sybil_phase", "SYBIL_ATTACKS", "main"]
 
 
 @dataclass
@@ -404,6 +416,134 @@ def _user_mean_ms(before: dict[str, float], after: dict[str, float], name: str, 
     return 1e3 * s / n if n else float("nan")
 
 
+# ---------------------------------------------------------------- the Sybil attack
+
+
+#: The attacker's ways to claim identities (``sybil_phase``): its one key; its key with a random
+#: ``user`` per request; a made-up key per request; no key and a random ``user`` per request.
+SYBIL_ATTACKS = ("one-key", "key-random-user", "made-up-keys", "random-user")
+
+
+@dataclass
+class SybilSide:
+    """What one party of a Sybil phase got.
+
+    Attributes:
+        tokens: token chunks received within the window.
+        statuses: HTTP status -> requests answered with it (sent within the window or before).
+        requests: requests sent.
+    """
+
+    tokens: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    requests: int = 0
+
+
+async def _flood(client: httpx.AsyncClient, base_url: str, side: SybilSide, headers_of: Any, body_of: Any,
+                 window: list[float], stop: asyncio.Event, first_token: asyncio.Event | None = None) -> None:
+    """One of a party's concurrent workers: send a stream, read it to its end, send the next, until
+    ``stop``; count the token chunks that arrive within ``window`` = [start, end] (perf_counter s)."""
+    while not stop.is_set():
+        side.requests += 1
+        try:
+            async with client.stream("POST", f"{base_url}/v1/completions", json=body_of(),
+                                     headers=headers_of()) as r:
+                side.statuses[r.status_code] = side.statuses.get(r.status_code, 0) + 1
+                if r.status_code != 200:
+                    await r.aread()
+                    await asyncio.sleep(0)  # an attacker that is refused tries again at once
+                    continue
+                async for line in r.aiter_lines():
+                    if stop.is_set():
+                        return  # leaving the block closes the stream: the server aborts it
+                    if not line.startswith("data: {") or '"choices":[]' in line or '"error"' in line[:16]:
+                        continue
+                    if first_token is not None:
+                        first_token.set()
+                    now = time.perf_counter()
+                    if window[0] <= now <= window[1]:
+                        side.tokens += 1
+        except (httpx.HTTPError, OSError):
+            side.statuses[0] = side.statuses.get(0, 0) + 1
+
+
+async def sybil_phase(base_url: str, attack: str, *, honest_key: str | None, attacker_key: str | None,
+                      concurrency: int = 64, duration_s: float = 15.0, max_tokens: int = 100_000,
+                      prompt_words: int = 8, lead_s: float = 1.0, seed: int = 0) -> dict[str, Any]:
+    """One Sybil phase: the honest party keeps ``concurrency`` long streams open (its key, or its
+    ``user`` ``honest`` without a key); after ``lead_s`` (its requests admitted and streaming, so the
+    attacker returns against a backlogged user, as a flood does), the attacker keeps
+    ``concurrency`` streams open too, claiming identities as ``attack`` says (``SYBIL_ATTACKS``).
+    Tokens are counted for ``duration_s`` from the attacker's start, each party's streams
+    reopened as they end; then every stream is closed (the server aborts them).
+
+    Returns:
+        ``{"attack", "honest_tokens", "attacker_tokens", "attacker_share", "honest_statuses",
+        "attacker_statuses", "attacker_requests", "duration_s", "concurrency"}``;
+        ``attacker_share`` is ``None`` when neither party got a token.
+
+    Raises:
+        ValueError: an unknown ``attack``, or one that needs ``attacker_key`` without it.
+    """
+    if attack not in SYBIL_ATTACKS:
+        raise ValueError(f"attack must be one of {', '.join(SYBIL_ATTACKS)}, got {attack!r}")
+    if attack in ("one-key", "key-random-user") and not attacker_key:
+        raise ValueError(f"the {attack} attack needs the attacker's key (--attacker-key)")
+    rng = random.Random(seed)
+    words = " ".join(f"w{i}" for i in range(prompt_words - 1))
+    n = itertools.count()
+
+    def body(user: str | None) -> dict[str, Any]:
+        b: dict[str, Any] = {"prompt": f"p{next(n)} {words}", "max_tokens": max_tokens, "stream": True}
+        if user is not None:
+            b["user"] = user
+        return b
+
+    def bearer(key: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    fresh = lambda: f"{rng.getrandbits(64):016x}"  # noqa: E731 - a made-up name or key
+    honest_headers, honest_body = (lambda: bearer(honest_key)), (lambda: body("honest"))
+    attacker_headers = {"one-key": lambda: bearer(attacker_key), "key-random-user": lambda: bearer(attacker_key),
+                        "made-up-keys": lambda: bearer(f"sk-{fresh()}"), "random-user": lambda: {}}[attack]
+    attacker_body = {"one-key": lambda: body("attacker"), "key-random-user": lambda: body(f"u-{fresh()}"),
+                     "made-up-keys": lambda: body(f"u-{fresh()}"), "random-user": lambda: body(f"u-{fresh()}")}[attack]
+    honest, attacker = SybilSide(), SybilSide()
+    window = [math.inf, math.inf]
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
+        started = asyncio.Event()
+        tasks = [asyncio.ensure_future(_flood(client, base_url, honest, honest_headers, honest_body, window, stop,
+                                              started)) for _ in range(concurrency)]
+        await asyncio.wait_for(started.wait(), 60 + lead_s)
+        await asyncio.sleep(lead_s)
+        window[0] = time.perf_counter()
+        window[1] = window[0] + duration_s
+        tasks += [asyncio.ensure_future(_flood(client, base_url, attacker, attacker_headers, attacker_body, window,
+                                               stop)) for _ in range(concurrency)]
+        await asyncio.sleep(duration_s)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    total = honest.tokens + attacker.tokens
+    return {"attack": attack, "honest_tokens": honest.tokens, "attacker_tokens": attacker.tokens,
+            "attacker_share": attacker.tokens / total if total else None,
+            "honest_statuses": honest.statuses, "attacker_statuses": attacker.statuses,
+            "attacker_requests": attacker.requests, "duration_s": duration_s, "concurrency": concurrency}
+
+
+def _wait_idle(base_url: str, timeout_s: float = 60.0) -> None:
+    """Wait for the server to hold nothing (``/health``'s ``in_flight``; a server whose ``/health``
+    has no such field, the replicas' ``Ingress``, gets a fixed 2 s)."""
+    h = httpx.get(f"{base_url}/health", timeout=30).json()
+    if "in_flight" not in h:
+        time.sleep(2.0)
+        return
+    wait_drained(base_url, timeout_s)
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -420,6 +560,40 @@ _range.__name__ = "LO,HI (1 <= LO <= HI)"
 
 def _fmt(name: str, s: dict[str, float]) -> str:
     return f"{name:<6} mean / p50 / p90 / p99 ms  {s['mean']:8.2f} {s['p50']:8.2f} {s['p90']:8.2f} {s['p99']:8.2f}"
+
+
+def _sybil_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -> int:
+    """``--sybil``: each attack in turn, the server drained between them; prints one line each
+    (or JSON); 1 if an attacker's share is over ``--sybil-max-share``."""
+    attacks = a.sybil.split(",")
+    bad = [x for x in attacks if x not in SYBIL_ATTACKS]
+    if bad:
+        p.error(f"--sybil: unknown attack(s) {', '.join(bad)}; choose among {', '.join(SYBIL_ATTACKS)}")
+    if a.sybil_concurrency < 1 or not a.sybil_duration_s > 0 or a.sybil_lead_s < 0 or a.sybil_max_tokens < 1:
+        p.error("--sybil-concurrency and --sybil-max-tokens must be >= 1, --sybil-duration-s > 0, --sybil-lead-s >= 0")
+    rows = []
+    for i, attack in enumerate(attacks):
+        _wait_idle(base)
+        try:
+            rows.append(asyncio.run(sybil_phase(base, attack, honest_key=a.honest_key, attacker_key=a.attacker_key,
+                                                concurrency=a.sybil_concurrency, duration_s=a.sybil_duration_s,
+                                                max_tokens=a.sybil_max_tokens, lead_s=a.sybil_lead_s,
+                                                seed=a.seed + i)))
+        except ValueError as e:
+            p.error(str(e))
+    _wait_idle(base)
+    over = [r for r in rows if a.sybil_max_share is not None and (r["attacker_share"] or 0.0) > a.sybil_max_share]
+    if a.json:
+        print(json.dumps({"sybil": rows, "max_share": a.sybil_max_share, "over": [r["attack"] for r in over]},
+                         indent=2))
+    else:
+        for r in rows:
+            share = "n/a" if r["attacker_share"] is None else f"{100 * r['attacker_share']:.1f}%"
+            print(f"sybil {r['attack']:<16} attacker {share} of {r['honest_tokens'] + r['attacker_tokens']:,} tokens "
+                  f"in {r['duration_s']:g} s (honest {r['honest_tokens']:,}, attacker {r['attacker_tokens']:,}); "
+                  f"attacker's answers {dict(sorted(r['attacker_statuses'].items()))} over {r['attacker_requests']:,} "
+                  f"requests; honest's {dict(sorted(r['honest_statuses'].items()))}")
+    return 1 if over else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -447,6 +621,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ab-window-s", type=float, default=None, help="spread the burst over its arrival offsets")
     p.add_argument("--ab-drop-after-b", action="store_true",
                    help="drop every stream once B's first tokens are in (a faster run; aborts A's requests)")
+    p.add_argument("--sybil", default=None, metavar="ATTACKS",
+                   help=f"the Sybil test: an honest party and an attacker, each with --sybil-concurrency streams; the "
+                        f"attacker's token share per attack, comma-separated, of: {', '.join(SYBIL_ATTACKS)}")
+    p.add_argument("--honest-key", default=None, help="--sybil: the honest party's API key (none: no key)")
+    p.add_argument("--attacker-key", default=None, help="--sybil: the attacker's one valid API key")
+    p.add_argument("--sybil-concurrency", type=int, default=64, help="--sybil: streams per party (default 64)")
+    p.add_argument("--sybil-duration-s", type=float, default=15.0, help="--sybil: seconds counted (default 15)")
+    p.add_argument("--sybil-lead-s", type=float, default=1.0,
+                   help="--sybil: the honest party streams this long before the attacker starts (default 1)")
+    p.add_argument("--sybil-max-tokens", type=int, default=100_000, help="--sybil: max_tokens of each request")
+    p.add_argument("--sybil-max-share", type=float, default=None,
+                   help="--sybil: exit 1 if an attacker's share of the tokens is above this")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -457,6 +643,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         httpx.get(f"{base}/health", timeout=10).raise_for_status()
     except httpx.HTTPError as e:
         p.error(f"no server at {base}: {e}")
+
+    if a.sybil:
+        return _sybil_main(p, a, base)
 
     if a.ab_burst:
         rows = [ab_burst_ratio(base, int(s), a.ab_window_s, a.ab_drop_after_b) for s in a.ab_seeds.split(",")]

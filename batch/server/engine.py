@@ -274,7 +274,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.on_tick = on_tick
         self.counters = EngineCounters()
-        self.snapshot = Snapshot(kv_cap_blocks=scheduler.kv_cap_blocks)
+        self.snapshot = Snapshot(kv_cap_blocks=scheduler.config.kv_cap_blocks)
         self.iteration_s_sum = 0.0  # wall seconds in tick() over ticks that ran a batch
         self.iterations = 0
         self.token_iteration_s = 0.0  # sum over output tokens of the wall time of the tick that made each
@@ -382,7 +382,7 @@ class Engine:
     def _publish(self) -> None:
         s, c = self.scheduler, self.counters
         self.snapshot = Snapshot(running=len(s.running), waiting=len(s.policy), kv_blocks_used=s.pool.num_used,
-                                 kv_cap_blocks=s.kv_cap_blocks, active=s.has_active(),
+                                 kv_cap_blocks=s.config.kv_cap_blocks, active=s.has_active(),
                                  ticks=self.iterations, busy_s=self.iteration_s_sum, submitted=c.submitted,
                                  refused=c.refused, finished=c.finished, aborted=c.aborted,
                                  finish_reasons=dict(c.by_reason))

@@ -3,13 +3,18 @@
     batch serve --port 8000                              # the simulated GPU in real time
     batch serve --time-scale 0.05                        # twenty times faster (tests, benchmarks)
     batch serve --model PATH                             # a Hugging Face checkpoint folder
-    batch serve --config users.toml                      # per-user weights, API key -> user
+    batch serve --config users.toml                      # per-user weights, API keys (authentication)
+    batch serve --trust-user-field                       # no keys: the body's user is the identity
+    batch serve --user-header x-tenant-id                # no keys: a trusted gateway's header
     batch serve --replicas 2                             # two engines on Ray Serve (the scaleout extra)
 
 The config file (JSON, or TOML when its name ends in ``.toml``) has two optional tables:
 ``weights`` (user -> int weight >= 1, passed to ``VTCPolicy``) and ``api_keys`` (API key ->
-user name: the fairness key of a request with that key; the body's ``user`` counts only
-without a key, or over it with ``--trust-user-field``)::
+user name). With ``api_keys``, every ``/v1`` request needs one of the keys (else 401) and the
+key's user is the request's fairness identity, whatever the body's ``user`` says; without keys,
+every request shares the identity ``anonymous`` unless ``--trust-user-field`` (the body's
+``user``) or ``--user-header NAME`` (a trusted gateway's header) says otherwise
+(``batch.server.auth``; ``docs/server.md``, "Who is who")::
 
     [weights]
     alice = 2
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import tomllib
@@ -28,7 +34,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import inference_stub
-from batch.policies.policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
+from batch.policies.policy import FCFSPolicy
+from batch.policies.roundrobin import RoundRobinPolicy
+from batch.policies.vtc import VTCPolicy
+from batch.server.auth import Identities
 from batch.server.engine import Engine, SeededGPU
 from batch.server.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer
 from scheduler import Scheduler
@@ -123,7 +132,7 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
         if kv_cap_blocks is not None:
             kw["kv_cap_blocks"] = kv_cap_blocks
         sched = Scheduler(backend=gpu, **kw)
-        return Engine(sched), WordTokenizer(sched.eos_token_id), "batch-sim"
+        return Engine(sched), WordTokenizer(sched.config.eos_token_id), "batch-sim"
     if backend != "model":
         raise ValueError(f"backend must be 'sim' or 'model', got {backend!r}")
     from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
@@ -150,8 +159,8 @@ _positive_float.__name__ = "finite number > 0"
 
 #: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
 #: when set to anything but their default (rather than silently ignored).
-_NOT_WITH_REPLICAS = ("eos_probability", "max_running", "max_waiting", "served_model_name", "trust_user_field",
-                      "max_user_labels", "shutdown_timeout", "log_level", "device", "dtype")
+_NOT_WITH_REPLICAS = ("max_running", "max_waiting", "served_model_name", "max_user_labels",
+                      "log_level", "device", "dtype")
 
 
 def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
@@ -167,11 +176,11 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error(f"--replicas N > 1 does not support {', '.join(unsupported)} (docs/scale-out.md, section 4)")
     try:
         users = load_config(a.config)
+        identities = Identities(users.api_keys, trust_user_field=a.trust_user_field, user_header=a.user_header)
+        if a.metrics_auth and not users.api_keys:
+            raise ValueError("--metrics-auth needs the config's api_keys: there is no key to ask for")
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
-    if users.api_keys:
-        p.error("--replicas N > 1 does not support the config's api_keys (fairness by API key): the replicas "
-                "take the body's 'user' field (docs/scale-out.md, section 4)")
     try:
         from batch.scaleout.ray_serve import serve_http  # noqa: PLC0415 - the optional 'scaleout' extra
     except ImportError as e:
@@ -179,14 +188,27 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     print(f"batch serve: {a.replicas} replicas on Ray Serve (sim, time scale {a.time_scale}, counters synced every "
-          f"{a.counter_period} s) on http://{a.host}:{a.port}/v1/completions", file=sys.stderr)
+          f"{a.counter_period} s, identity: {identities.mode}) on http://{a.host}:{a.port}/v1/completions",
+          file=sys.stderr)
     try:
         serve_http(a.replicas, host=a.host, port=a.port, time_scale=a.time_scale, seed=a.seed,
-                   period_s=a.counter_period, weights=users.weights, kv_cap_blocks=a.kv_cap_blocks,
-                   max_body_bytes=a.max_body_bytes)
+                   eos_probability=a.eos_probability, period_s=a.counter_period, weights=users.weights,
+                   kv_cap_blocks=a.kv_cap_blocks,
+                   max_body_bytes=a.max_body_bytes, api_keys=users.api_keys, trust_user_field=a.trust_user_field,
+                   user_header=a.user_header, metrics_need_key=a.metrics_auth, shutdown_timeout_s=a.shutdown_timeout)
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    """The ``batch`` loggers (e.g. a client that closed mid-body) to stderr, one line a record."""
+    logger = logging.getLogger("batch")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:  %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,7 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body; a larger one gets 413 (default 4 MiB)")
     p.add_argument("--trust-user-field", action="store_true",
-                   help="the body's 'user' wins over the API key as the fairness key (default: the key wins)")
+                   help="without api_keys: the body's 'user' is the fairness identity, for a trusted front end that "
+                        "sets it (default: every request without a key shares the identity 'anonymous')")
+    p.add_argument("--user-header", default=None, metavar="NAME",
+                   help="without api_keys: the fairness identity is this request header's value, set by a trusted "
+                        "gateway (e.g. x-tenant-id); clients must not be able to reach the server but through it")
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics needs one of the config's API keys too (default: open, as /health)")
     p.add_argument("--max-user-labels", type=int, default=100,
                    help="users past the config's that get their own per-user metric label; later ones "
                         "are counted as user=\"other\" (default 100)")
@@ -256,12 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
                            api_keys=users.api_keys, seed_by_prompt=backend == "sim",
                            max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field,
+                           user_header=a.user_header, metrics_need_key=a.metrics_auth,
                            known_users=tuple(users.weights), max_user_labels=a.max_user_labels)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
-    print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}) on "
-          f"http://{a.host}:{a.port}", file=sys.stderr)
+    print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}, identity: "
+          f"{app.state.server.identities.mode}) on http://{a.host}:{a.port}", file=sys.stderr)
+    _log_to_stderr(a.log_level)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.shutdown_timeout)
     try:
