@@ -10,19 +10,25 @@
 Installed, the same command is ``batch-sim``. A ``--trace`` given by file name is looked up in
 ``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the checkout
 (``batch.sim.traces``). The replay, the metrics table and the JSON are ``batch.sim.simulate``'s.
+
+A run that lasts more than 2 s shows a progress bar of finished requests on stderr when stderr is
+a terminal. A bad argument is one ``batch: error: ...`` line on stderr and exit status 2 (``--help``
+has the usage); a workload with no requests (``--n 0``, ``--limit 0``) prints ``batch: nothing to
+run: ...`` on stderr and exits 0.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import inference_stub
 import request_gen
-from batch.core import metrics
+from batch.core import goodput, metrics
 from batch.sim import traces
 from batch.sim.simulate import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, POLICIES, format_metrics, json_metrics,
                                 run_workload)
@@ -60,38 +66,55 @@ _positive_float.__name__ = "finite number > 0"
 _probability.__name__ = "probability in [0, 1]"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit status.
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``PROG: error: MESSAGE``, on stderr with exit
+    status 2: no usage block before it (``--help`` prints the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "batch") -> int:
+    """Command-line entry point; returns the process exit status (0 also when there was nothing
+    to run: ``--n 0``, ``--limit 0``, a trace without rows).
 
     A reader that closes the output early (``python -m batch | head``) ends the run quietly with
     status 0, as other command-line tools do, not with a ``BrokenPipeError`` traceback.
 
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        prog: the program's name in ``--help`` and in error lines (``batch sim`` names the
+            subcommand).
+
     Raises:
-        SystemExit: status 2 with one ``simulate: error: ...`` line on stderr (after the usage
-            line) for a bad argument: a ``--trace`` that is missing, a directory, unreadable, or
-            has a malformed row (a non-number, a nan / inf / negative ``arrival_s``); a
-            ``--model`` that is not a checkpoint directory; a ``--device`` that is not a torch
-            device name or that this machine lacks.
+        SystemExit: status 2 with one ``batch: error: ...`` line on stderr and nothing else for a
+            bad argument: an unknown option or a bad value; a ``--trace`` that is missing, a
+            directory, unreadable, or has a malformed row (a non-number, a nan / inf / negative
+            ``arrival_s``); a ``--model`` that is not a checkpoint directory; a ``--device`` that
+            is not a torch device name or that this machine lacks; ``--backend model`` without
+            the ``model`` extra.
     """
     try:
-        return _main(argv)
+        return _main(argv, prog)
     except BrokenPipeError:
         # Python flushes stdout again at exit: point it at /dev/null so that raises nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="simulate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv: Sequence[str] | None, prog: str) -> int:
+    p = OneLineErrorParser(prog=prog, description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="a normalised trace CSV (path, or a file name in the traces folder)")
     p.add_argument("--trace-dir", default=None,
                    help=f"the traces folder a bare --trace name is looked up in (default ${traces.TRACES_ENV}, "
                         "else ../shared/traces beside the checkout)")
-    p.add_argument("--limit", type=_count(0), default=None, help="first N trace rows only")
+    p.add_argument("--limit", type=_count(0), default=None,
+                   help="first N trace rows only (0: nothing to run, exit 0)")
     p.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply trace arrival offsets by this")
     p.add_argument("--users", type=_count(1), default=5, help="users to spread a trace's requests over (traces have none)")
-    p.add_argument("--n", type=_count(0), default=50, help="requests from request_gen.stream (default 50)")
+    p.add_argument("--n", type=_count(0), default=50,
+                   help="requests from request_gen.stream (default 50; 0: nothing to run, exit 0)")
     p.add_argument("--rate", type=_positive_float, default=5.0, help="stream arrival rate, requests/s (default 5)")
     p.add_argument("--seed", type=int, default=42, help="workload seed (default 42)")
     p.add_argument("--clock", choices=("real", "virtual"), default=None,
@@ -103,7 +126,8 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--kv-cap-blocks", type=_count(1), default=None, help="KV cache size in blocks (default 256)")
     p.add_argument("--max-running", type=_count(1), default=None, help="most resident requests (default 256)")
     p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="hide the progress bar (shown on stderr, when it is a terminal, once a run lasts 2 s)")
     p.add_argument("--backend", choices=("stub", "model"), default="stub",
                    help="stub: the simulated GPU (default); model: a Hugging Face Llama-family model on a paged "
                         "KV cache (needs the 'model' extra; real clock)")
@@ -130,9 +154,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.backend == "model" and sched_cls is not Scheduler:
         p.error(f"--policy {a.policy} runs on the stub backend only (with --backend model: "
                 f"{', '.join(k for k, v in POLICIES.items() if v[0] is Scheduler)})")
-    slo = metrics.SLO(ttft_s=a.slo_ttft_ms / 1e3, tpot_s=a.slo_tpot_ms / 1e3,
+    slo = goodput.SLO(ttft_s=a.slo_ttft_ms / 1e3, tpot_s=a.slo_tpot_ms / 1e3,
                       e2el_s=None if a.slo_e2el_ms is None else a.slo_e2el_ms / 1e3)
-    out = (lambda *args: None) if a.json else print  # --json: the JSON object only on stdout
+    out = (lambda *args: None) if a.json else functools.partial(print, flush=True)  # --json: the JSON object only
 
     if a.trace:
         try:
@@ -144,18 +168,23 @@ def _main(argv: Sequence[str] | None) -> int:
     else:
         reqs = request_gen.stream(n=a.n, lam=a.rate, seed=a.seed)
         label = f"request_gen.stream(n={a.n}, lam={a.rate}, seed={a.seed})"
+    if not reqs:
+        why = ("--n 0 asks for no requests" if not a.trace else
+               "--limit 0 asks for no trace rows" if a.limit == 0 else f"trace {a.trace} has no rows")
+        print(f"{prog}: nothing to run: {why}", file=sys.stderr)
+        return 0
     virtual = (a.clock or ("virtual" if a.trace else "real")) == "virtual"
     kw = {k: v for k, v in (("kv_cap_blocks", a.kv_cap_blocks), ("max_running", a.max_running),
                             ("token_budget_tokens", a.token_budget)) if v is not None}
     eos_p = a.eos_probability if a.eos_probability is not None else (0.0 if a.trace else
                                                                       inference_stub.EOS_PROBABILITY)
-    progress = not a.no_progress and len(reqs) >= 200
+    # a bar on a terminal only, and only once the run has lasted simulate.PROGRESS_DELAY_S
+    progress = not a.no_progress and sys.stderr.isatty()
     if a.backend == "model":
         try:
             from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
         except ImportError as e:
-            print(f"--backend model needs the 'model' extra (pip install -e '.[model]'): {e}", file=sys.stderr)
-            return 2
+            p.error(f"--backend model needs the 'model' extra (pip install -e '.[model]'): {e}")
         try:
             backend = model_backend.from_cli(path=a.model, device=a.device, dtype=a.dtype,
                                              num_blocks=kw.pop("kv_cap_blocks", 256))
@@ -164,32 +193,28 @@ def _main(argv: Sequence[str] | None) -> int:
         make = backend.make_scheduler
         if make_policy is not None:
             make = lambda **k: backend.make_scheduler(policy=make_policy(), **k)  # noqa: E731
+        label += f", model backend: {backend.describe()}"
+        out(f"Batch on {label}")  # before the run, which takes seconds: what is running
         res = run_workload(reqs, make_scheduler=make, virtual=False, progress=progress, **kw)
         virtual = False
-        label += f", model backend: {backend.describe()}"
     else:
         make = sched_cls if make_policy is None else lambda **k: sched_cls(policy=make_policy(), **k)  # noqa: E731
+        out(f"Batch on {label}")
         res = run_workload(reqs, make_scheduler=make, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p,
                            progress=progress, **kw)
     s = res.scheduler
     m = s.metrics()
-    good = metrics.good_requests(res.completed(), slo)
+    good = goodput.good_requests(res.completed(), slo)
     if a.json:
         print(json.dumps(json_metrics(m, res, slo=slo, good=good, policy=a.policy,
                                       policy_class=type(s.policy).__name__, scheduler_class=type(s).__name__,
                                       backend=a.backend, clock="virtual" if virtual else "real", workload=label),
                          indent=2))
         return 0
-    out(f"Batch on {label}")
-    out(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.kv_cap_blocks} blocks x "
-        f"{s.block_tokens} tokens; prefill chunk {s.prefill_chunk_tokens}; policy {type(s.policy).__name__} "
+    out(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.config.kv_cap_blocks} blocks x "
+        f"{s.config.block_tokens} tokens; prefill chunk {s.config.prefill_chunk_tokens}; policy {s.policy.name} "
         f"(--policy {a.policy})")
     out(format_metrics(m, res, slo=slo, good=good))
-    iso = getattr(s, "isolation", None)
-    if iso is not None and iso.model.ready:
-        a_s, per_req_s, per_tok_s = iso.model.coefficients()
-        out(f"learned iteration latency: {a_s * 1e3:.3f} ms + {per_req_s * 1e6:.1f} us/request + "
-            f"{per_tok_s * 1e6:.2f} us/token ({iso.model.observations} iterations observed)")
     if res.refused:
         r, e = res.refused[0]
         out(f"first refusal: {r.request_id}: {type(e).__name__}: {e}")

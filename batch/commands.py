@@ -24,7 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif cmd == "bench-serve":
         from batch.server.bench_serve import main as run  # noqa: PLC0415
     elif cmd == "sim":
-        from batch.cli import main as run  # noqa: PLC0415
+        from batch.cli import main as sim  # noqa: PLC0415
+
+        def run(argv):
+            return sim(argv, prog="batch sim")
     else:
         print(f"{USAGE}\nbatch: error: unknown command {cmd!r}", file=sys.stderr)
         return 2

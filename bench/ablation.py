@@ -1,58 +1,64 @@
 #!/usr/bin/env python3
 """What each mechanism of the default scheduler buys: the default with one mechanism off at a time.
 
-``Scheduler()`` is ``VTCPolicy()`` plus eight mechanisms. For each, this runs the default with
-only that mechanism switched off, beside the full default and FCFS (``FCFSPolicy()``, vLLM V1's
-rule) as a reference, on the simulated clock (deterministic: seeded workloads and token
-streams), and measures what the mechanism is *for*:
+``Scheduler()`` is ``VTCPolicy()`` with the tick's mechanisms on (``batch/core/step.py``). For each,
+this runs the default with only that mechanism switched off, beside the full default and FCFS
+(``FCFSPolicy()``, vLLM V1's rule) as a reference, on the simulated clock (deterministic: seeded
+workloads and token streams), and measures what the mechanism is *for*:
 
-=================  ==========================================  =====================================
-mechanism          switched off by                              measured
-=================  ==========================================  =====================================
-vtc                ``VTCPolicy(tolerance_tokens=2**40)``:        four-user overload: largest service
-                   every backlogged user within the band, so     gap and Jain's index; weighted share
-                   admission is arrival order (nothing else      (weight 2 : 1, exact 2.00); B's TTFT
-                   changes)                                      ratio on the A/B burst
-isolation          ``isolation=False``                           B's median TTFT with A / alone over
-                                                                 the A/B seeds (from submit, from
-                                                                 arrival); light users' TTFT p99 in
-                                                                 a flood; the throughput it costs
-latency-model      ``Isolation(model=LatencyModel(               on a token-driven clock (8 ms +
-                   min_observations=10**9))``: the prior only    0.02 ms per batched token): isolated
-                   (cost proportional to requests)               iterations, throughput, B's ratio;
-                                                                 the same on the stub's clock
-headroom           ``admission_headroom=False``                  preemptions and throughput under KV
-                                                                 pressure
-easy               ``easy_backfill=False``                       throughput (and TTFT p99) where the
-                                                                 first waiting request does not fit
-drain              ``VTCPolicy(drain_longest_first=False)``      throughput, TTFT and TPOT p99 at the
-                                                                 end of a burst (A/B burst, 32 seeds)
-resume-first       ``VTCPolicy(resume_decodes_first=False)``     TPOT p99 under KV pressure (and over
-                                                                 8 seeds of the long requests)
-aging              ``aging_ticks=10**9`` (never comes due)       longest admission wait (ticks) of the
-                                                                 largest prompts, and of any request
-                                                                 in random small-cache cases
-preemption-cap     ``max_preemptions=None``                      most preemptions of one request, on
-                                                                 the workloads and in random
-                                                                 tiny-cache cases
-=================  ==========================================  =====================================
+==============  ===========================================  ========================================
+mechanism       switched off by                              measured
+==============  ===========================================  ========================================
+vtc             ``VTCPolicy(tolerance_tokens=2**40)``: every  four-user overload: largest service gap
+                backlogged user within the band, so           and Jain's index; weighted share (weight
+                admission is arrival order (nothing else      2 : 1, exact 2.00); B's TTFT ratio on the
+                changes)                                      A/B burst
+isolation       ``isolation=False``                           B's median TTFT with A / alone over the
+                                                              A/B seeds (from submit, from arrival) and
+                                                              on the A/B anchor (at once, from submit);
+                                                              light users' TTFT p99 in a flood; the
+                                                              same on a token-driven clock; the
+                                                              isolated iterations and their throughput
+headroom        ``admission_headroom=False``                  preemptions and throughput under KV
+                                                              pressure
+resume-first    ``resume_first=False``                        TPOT p99 under KV pressure (and over 8
+                                                              seeds of the long requests)
+victim          ``NewestVictimVTC()``: VTC with vLLM's        light users' requests preempted and
+                victim, the newest admission (no light-user   their TTFT p99 in a flood; B's requests
+                shield, no fewest-preemptions / fewest-       preempted on the A/B burst; preemptions,
+                computed-tokens order)                        throughput, TTFT p99 under KV pressure
+aging           ``aging_ticks=10**9`` (never comes due)       longest admission wait (ticks) of the
+                                                              largest prompts, and of any request in
+                                                              random small-cache cases
+preemption-cap  ``max_preemptions=None``                      most preemptions of one request, on the
+                                                              workloads and in random tiny-cache cases
+tolerance       ``VTCPolicy(tolerance_tokens=T)``, T in 512,  a trade-off curve, not a switch: TTFT
+                2048, 8192, 32768 (the default is T = 0)      p99 on the three balanced anchors beside
+                                                              vLLM's; the weight-2 user's share on the
+                                                              weighted overload (exact 2.00)
+==============  ===========================================  ========================================
 
-A change is given paired by seed (mean, sd, seeds worse / better) where a single seed would not
-tell it from noise.
+Each row ends with its verdict: the figures that change by 1% or more without the mechanism
+(``Row.moved``), or that none does. A change is given paired by seed (mean, sd, seeds worse /
+better) where a single seed would not tell it from noise.
 
-Workloads: ``batch.sim.workloads`` (``make bench``'s saturating ones), the anchor traces of
-``bench/vllm_compare.py`` (replayed by its ``run_batch``), the A/B burst of
-``bench/target_sweep.py`` (``ab_trace``, B's ratio by ``vllm_compare.ab_ratios``), and the overload,
-flood and weighted runs of ``bench/bench_fairness.py`` / ``bench/tolerance_sweep.py``.
+Workloads: ``batch.sim.workloads`` (``make bench``'s saturating ones), the four anchor traces of
+``bench/vllm_compare.py`` (replayed by its ``run_batch``: throughput, TTFT p50 / p99, TPOT p99,
+preemptions, and on the A/B anchor B's ratios at once / from submit / from arrival), the A/B
+burst ``vllm_compare.ab_trace`` over seeds (B's ratio by ``vllm_compare.ab_ratios``), and the
+overload, flood and weighted runs of ``bench/bench_fairness.py``. vLLM's TTFT p99 beside the
+tolerance curve is measured by ``vllm_compare.run_vllm`` when vllm is importable (``make
+bench-vllm``'s ``.venv-vllm``), else quoted from the last run (``VLLM_TTFT_P99_QUOTED``).
 
-Prints one markdown table, a row per mechanism (the figure with it, without it, FCFS's), then the
-matrix of every variant on the common workloads. ``--json`` prints everything as one JSON object
-instead. About 4 minutes of CPU on one core (235-258 s on 2026-12-01); ``--quick`` is a small
+Prints one markdown table, a row per mechanism (the figure with it, without it, FCFS's), the
+tolerance curve, the anchors' table of every variant, then the matrix of every variant on the
+common workloads. ``--json`` prints everything as one JSON object instead. ``--quick`` is a small
 run (seconds), what ``tests/test_ablation.py`` runs.
 
 Usage, from the project root::
 
-    python bench/ablation.py [--quick] [--seeds 10] [--only easy,aging] [--json]
+    python bench/ablation.py [--quick] [--seeds 10] [--only victim,tolerance] [--json]
+    .venv-vllm/bin/python bench/ablation.py --only tolerance    # vLLM's figures measured, not quoted
 """
 from __future__ import annotations
 
@@ -77,29 +83,42 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 import bench  # noqa: E402  (bench/bench.py)
 import bench_fairness as bf  # noqa: E402
-import target_sweep as ts  # noqa: E402
 import vllm_compare as vc  # noqa: E402
-from batch.core.isolation import Isolation  # noqa: E402
-from batch.core.latency import LatencyModel  # noqa: E402
-from batch.policies.policy import FCFSPolicy, VTCPolicy  # noqa: E402
+from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
+from batch.policies.vtc import VTCPolicy  # noqa: E402
 from batch.sim import simulate, workloads  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
+from spec import fairness_rules as fr  # noqa: E402
 
 #: A tolerance no counter gap reaches: every backlogged user is eligible, admission is arrival order.
 NO_ORDER_TOLERANCE = 2 ** 40
 #: An aging bound no request reaches.
 NEVER_TICKS = 10 ** 9
-#: The token-driven clock of the latency-model row (a real GPU's regime, ``tests/test_fairness.py``).
+#: The token-driven clock of the isolation row (a real GPU's regime, ``tests/test_fairness.py``).
 TOKEN_BASE_S = 0.008
 TOKEN_PER_TOKEN_S = 0.00002
-#: The overload's weighted run: user ``short`` at weight 2.
+#: The overload's weighted run (``bench_fairness``'s): user ``short`` at weight 2.
 WEIGHTS = {"short": 2}
 #: The share of the largest prompts whose admission wait the aging row reports.
 LARGEST_SHARE = 0.05
+#: A figure "changes" when it moves by this share of its value with the mechanism on.
+MOVED = 0.01
+#: vLLM's TTFT p99 (s) on the anchor traces, ``vllm_compare.run_vllm`` (vllm 0.33.0, CPU, thr 64),
+#: 2026-12-02, commit 5f96ec2: quoted when vllm is not importable here.
+VLLM_TTFT_P99_QUOTED = {"poisson_n300_r30_seed0.csv": 9.356, "trace200_poisson20_seed0.csv": 2.617,
+                        "trace2k.csv": 31.340, "ab_100A_5B_1s_seed0.csv": 4.598}
 
 
 # ----------------------------------------------------------------------------- the variants
+
+
+class NewestVictimVTC(VTCPolicy):
+    """``VTCPolicy`` with vLLM's victim rule, the most recently admitted request (``Policy.victim``):
+    the ablation's victim row switched off (no light-user shield, no fewest-preemptions or
+    fewest-computed-tokens order). Everything else is VTC's."""
+
+    victim = Policy.victim
 
 
 @dataclass(frozen=True)
@@ -125,34 +144,40 @@ class Variant:
         return lambda **kw: cls(**self.kwargs(weights), **kw)
 
 
-def _vtc(**flags: Any) -> Callable[[dict | None], dict]:
-    return lambda w: {"policy": VTCPolicy(weights=w, **flags)}
+def _vtc(policy: type = VTCPolicy, **knobs: Any) -> Callable[[dict | None], dict]:
+    """``policy(weights=w, **flags)`` with the Scheduler ``knobs``; ``tolerance_tokens`` goes to the policy."""
+    flags = {k: knobs.pop(k) for k in ("tolerance_tokens",) if k in knobs}
+    return lambda w: {"policy": policy(weights=w, **flags), **knobs}
 
 
 DEFAULT = Variant("default", "default", "Scheduler()", "", lambda w: {"policy": VTCPolicy(weights=w)} if w else {})
 FCFS = Variant("fcfs", "FCFS", "Scheduler(policy=FCFSPolicy())", "", lambda w: {"policy": FCFSPolicy()})
 MECHANISMS: tuple[Variant, ...] = (
-    Variant("vtc", "VTC order", f"VTCPolicy(tolerance_tokens=2**40): arrival order",
+    Variant("vtc", "VTC order", "VTCPolicy(tolerance_tokens=2**40): arrival order",
             "equal (weighted) service for backlogged users", _vtc(tolerance_tokens=NO_ORDER_TOLERANCE)),
     Variant("isolation", "TTFT isolation", "isolation=False",
-            "a light user's TTFT beside a heavy user", lambda w: {**_vtc()(w), "isolation": False}),
-    Variant("latency-model", "learned latency model", "Isolation(model=LatencyModel(min_observations=10**9)): the prior",
-            "isolating only when the iteration gets faster",
-            lambda w: {**_vtc()(w), "isolation": Isolation(model=LatencyModel(min_observations=NEVER_TICKS))}),
+            "a light user's TTFT beside a heavy user (room, isolated prefill)", _vtc(isolation=False)),
     Variant("headroom", "admission headroom", "admission_headroom=False",
-            "fewer preemptions under KV pressure", lambda w: {**_vtc()(w), "admission_headroom": False}),
-    Variant("easy", "EASY backfilling", "easy_backfill=False",
-            "throughput when the first waiting request does not fit", lambda w: {**_vtc()(w), "easy_backfill": False}),
-    Variant("drain", "drain phase", "VTCPolicy(drain_longest_first=False)",
-            "throughput at the end of a burst", _vtc(drain_longest_first=False)),
-    Variant("resume-first", "preempted decodes resume first", "VTCPolicy(resume_decodes_first=False)",
-            "TPOT p99 under KV pressure", _vtc(resume_decodes_first=False)),
+            "fewer preemptions under KV pressure", _vtc(admission_headroom=False)),
+    Variant("resume-first", "preempted decodes resume first", "resume_first=False",
+            "TPOT p99 under KV pressure", _vtc(resume_first=False)),
+    Variant("victim", "VTC victim rule (light-user shield)", "NewestVictimVTC(): vLLM's newest admission",
+            "light users' requests kept under KV pressure; the least recompute lost", _vtc(NewestVictimVTC)),
     Variant("aging", "aging with a reservation", "aging_ticks=10**9",
-            "a bounded wait for a request that does not fit", lambda w: {**_vtc()(w), "aging_ticks": NEVER_TICKS}),
+            "a bounded wait for a request that does not fit", _vtc(aging_ticks=NEVER_TICKS)),
     Variant("preemption-cap", "preemption cap", "max_preemptions=None",
-            "bounded preemptions of one request", lambda w: {**_vtc()(w), "max_preemptions": None}),
+            "bounded preemptions of one request", _vtc(max_preemptions=None)),
 )
 VARIANTS = {v.key: v for v in (DEFAULT, FCFS, *MECHANISMS)}
+#: The tolerance row's key (a curve over ``Config.tolerances``, not a mechanism switched off).
+TOLERANCE = "tolerance"
+KEYS = (*(v.key for v in MECHANISMS), TOLERANCE)
+
+
+def tolerance_variant(tolerance: int) -> Variant:
+    """The default with ``VTCPolicy(tolerance_tokens=tolerance)``."""
+    return Variant(f"T{tolerance}", f"T = {tolerance}", f"VTCPolicy(tolerance_tokens={tolerance})", "",
+                   _vtc(tolerance_tokens=tolerance))
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -162,10 +187,11 @@ VARIANTS = {v.key: v for v in (DEFAULT, FCFS, *MECHANISMS)}
 class Config:
     """What one ablation run measures (``full()``: the documented run; ``quick()``: seconds)."""
 
-    seeds: int = 10  # A/B burst seeds (target_sweep.ab_trace), for isolation, the model, VTC
+    seeds: int = 10  # A/B burst seeds (vllm_compare.ab_trace), for VTC, isolation, the victim
     workloads: tuple[str, ...] = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
-    anchors: tuple[str, ...] = vc.ORDER[:3]  # the balanced anchor traces (vllm_compare.run_batch)
-    burst_seeds: int = 32  # workloads.ab_burst seeds (the drain phase)
+    anchors: tuple[str, ...] = vc.ORDER  # the four anchor traces (vllm_compare.run_batch)
+    balanced: tuple[str, ...] = vc.ORDER[:3]  # the balanced anchors of the tolerance curve
+    tolerances: tuple[int, ...] = (0, 512, 2048, 8192, 32768)
     long_seeds: int = 8  # workloads.long_requests seeds (resume-first, aging)
     overload_per_user: int = 400
     flood: int = 1000
@@ -182,10 +208,9 @@ class Config:
     @classmethod
     def quick(cls) -> "Config":
         """One seed, the small workloads, one short anchor trace: what the test runs."""
-        return cls(seeds=1, workloads=("long-kv",), anchors=(vc.AB_TRACE,), burst_seeds=1,
-                   long_seeds=1, overload_per_user=40, flood=100, cap_cases=3, wait_cases=3, longs_seeds=1,
-                   longs_shorts=100,
-                   quick_workloads=True)
+        return cls(seeds=1, workloads=("long-kv",), anchors=(vc.AB_TRACE,), balanced=(vc.AB_TRACE,),
+                   tolerances=(0, 2048), long_seeds=1, overload_per_user=40, flood=100, cap_cases=3, wait_cases=3,
+                   longs_seeds=1, longs_shorts=100, quick_workloads=True)
 
 
 # ----------------------------------------------------------------------------- a recording scheduler
@@ -193,7 +218,8 @@ class Config:
 
 class _Recorder(Scheduler):
     """``Scheduler`` that records, per request, its preemptions and the ticks from submit to
-    first admission, and counts the ticks in which the aging reservation is held."""
+    first admission; per user, its requests' preemptions; and counts the ticks in which the
+    aging reservation is held and the isolated iterations."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -202,7 +228,9 @@ class _Recorder(Scheduler):
         self.admit_tick: dict[str, int] = {}
         self.prompt_tokens: dict[str, int] = {}
         self.preempted: collections.Counter = collections.Counter()
+        self.preempted_by_user: collections.Counter = collections.Counter()
         self.reserved_ticks = 0
+        self.isolated_ticks = 0
         self.plan_tokens = 0  # the last plan's batched tokens (the token-driven clock reads it)
 
     def submit(self, request: Request) -> None:
@@ -216,15 +244,15 @@ class _Recorder(Scheduler):
         return plan
 
     def update_from_output(self, plan, tokens, **kw):  # noqa: ANN001, ANN201
-        for entry in reversed(plan.batch):  # the admitted entries come last
-            if not entry.admitted:
-                break
-            self.admit_tick.setdefault(entry.seq.request_id, self.n_ticks)
+        for entry in plan.batch:
+            if entry.admitted:
+                self.admit_tick.setdefault(entry.seq.request_id, self.n_ticks)
         for q in plan.preempted:
             self.preempted[q.request_id] += 1
+            self.preempted_by_user[q.user_id] += 1
         out = super().update_from_output(plan, tokens, **kw)
-        if getattr(self, "_reserved", None) is not None:
-            self.reserved_ticks += 1
+        self.reserved_ticks += self.state.reserved is not None
+        self.isolated_ticks += plan.isolated
         self.n_ticks += 1
         return out
 
@@ -260,9 +288,31 @@ def run_requests(v: Variant, reqs: list[Request], *, kv_cap_blocks: int = 256, e
             "max_preemptions_one_request": max(s.preempted.values(), default=0),
             "max_wait_ticks": max(waits.values(), default=0),
             "largest_prompts_max_wait_ticks": max((waits[r] for r in largest), default=0),
-            "reserved_ticks": s.reserved_ticks,
-            "isolated_ticks": s.isolation.isolated_ticks if s.isolation is not None else 0,
+            "reserved_ticks": s.reserved_ticks, "isolated_ticks": s.isolated_ticks,
             "ticks": s.n_ticks, "sim_s": res.sim_s}
+
+
+def run_batch(v: Variant, reqs: Sequence[vc.TraceRequest], **kw: Any) -> tuple[vc.Run, _Recorder]:
+    """``vllm_compare.run_batch`` of ``reqs`` through ``v`` (its driver and clock), and the scheduler."""
+    holder: dict[str, _Recorder] = {}
+    inner = v.factory(None, _Recorder)
+
+    def make(**k: Any) -> Scheduler:
+        holder["s"] = inner(**k)
+        return holder["s"]
+
+    return vc.run_batch(reqs, factory=make, name=v.key, **kw), holder["s"]
+
+
+def vllm_ttft_p99(path: Path) -> tuple[float, str]:
+    """vLLM's TTFT p99 (s) on the trace at ``path`` and where it comes from: ``"measured"``
+    (``vllm_compare.run_vllm``, vllm importable here) or ``"quoted"`` (``VLLM_TTFT_P99_QUOTED``;
+    NaN for a trace it does not have)."""
+    try:
+        vc._vllm()  # noqa: SLF001 - the import check vllm_compare.main makes
+    except vc.VLLMUnavailable:
+        return VLLM_TTFT_P99_QUOTED.get(path.name, math.nan), "quoted"
+    return vc.summarize(vc.run_vllm(vc.load_requests(path))).ttft_p99_s, "measured"
 
 
 class Lab:
@@ -289,47 +339,57 @@ class Lab:
 
     # --- the anchor traces (vllm_compare's driver: outputs end at their recorded length)
     def anchor(self, v: Variant, name: str) -> dict | None:
+        """Throughput, TTFT p50 / p99, TPOT p99, preemptions; on the A/B anchor also B's median
+        TTFT with A over alone at once / from submit / from arrival. ``None``: no such trace."""
         path = self.traces / name
         if not path.is_file():
             return None
 
         def go() -> dict:
-            s = vc.summarize(vc.run_batch(vc.load_requests(path), factory=v.factory(), name=v.key))
-            return {"throughput_tok_s": s.throughput_tok_s, "ttft_p99_s": s.ttft_p99_s, "tpot_p99_s": s.tpot_p99_s,
-                    "preemptions": s.preemptions}
+            reqs = vc.load_requests(path)
+            run, _ = run_batch(v, reqs)
+            s = vc.summarize(run)
+            out = {"throughput_tok_s": s.throughput_tok_s, "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s,
+                   "tpot_p99_s": s.tpot_p99_s, "preemptions": s.preemptions}
+            if name == vc.AB_TRACE:
+                r = vc.ab_ratios(lambda rs, **kw: run_batch(v, rs, **kw)[0], reqs, timed_with=run)
+                out.update({f"ab_{t.replace(' ', '_')}": r.ratio(t) for t in vc.AB_TIMINGS})
+            return out
         return self._get(("anchor", v.key, name), go)
 
-    # --- seeds of a workload family, for the spread
-    def seeded(self, v: Variant, family: str) -> list[dict]:
+    def vllm(self, name: str) -> tuple[float, str] | None:
+        """vLLM's TTFT p99 on an anchor trace (``vllm_ttft_p99``); ``None``: no such trace."""
+        path = self.traces / name
+        if not path.is_file():
+            return None
+        return self._get(("vllm", "vLLM", name), lambda: vllm_ttft_p99(path))
+
+    # --- seeds of the long requests, for the spread
+    def seeded(self, v: Variant, family: str = "long-kv") -> list[dict]:
         def go() -> list[dict]:
-            out = []
-            for seed in range(self.cfg.burst_seeds if family == "ab-burst" else self.cfg.long_seeds):
-                if family == "ab-burst":
-                    reqs, eos = workloads.ab_burst(n_a=100, n_b=5, window_s=1.0, seed=seed), 0.02
-                else:  # long-kv
-                    reqs, eos = (workloads.long_requests(n=8 if self.cfg.quick_workloads else 30, seed=seed), 0.0)
-                out.append(run_requests(v, reqs, eos_probability=eos))
-            return out
+            n = 8 if self.cfg.quick_workloads else 30
+            return [run_requests(v, workloads.long_requests(n=n, seed=seed)) for seed in range(self.cfg.long_seeds)]
         return self._get(("seeded", v.key, family), go)
 
-    # --- the A/B burst (target_sweep.ab_trace) on the stub's clock: B's ratios
+    # --- the A/B burst (vllm_compare.ab_trace) on the stub's clock: B's ratios and preemptions
     def ab(self, v: Variant) -> dict:
         def go() -> dict:
-            fac = v.factory()
-            run = lambda reqs, **kw: vc.run_batch(reqs, factory=fac, name=v.key, **kw)  # noqa: E731
-            sub, arr, thr, pre = [], [], [], []
+            sub, arr, thr, pre, pre_b, iso = [], [], [], [], [], []
             for seed in range(self.cfg.seeds):
-                reqs = ts.ab_trace(seed)
-                with_a = run(reqs)
-                r = vc.ab_ratios(run, reqs, timed_with=with_a)
+                reqs = vc.ab_trace(seed)
+                with_a, s = run_batch(v, reqs)
+                r = vc.ab_ratios(lambda rs, **kw: run_batch(v, rs, **kw)[0], reqs, timed_with=with_a)
                 sub.append(r.ratio("from submit"))
                 arr.append(r.ratio("from arrival"))
-                s = vc.summarize(with_a)
-                thr.append(s.throughput_tok_s)
-                pre.append(s.preemptions)
+                summ = vc.summarize(with_a)
+                thr.append(summ.throughput_tok_s)
+                pre.append(summ.preemptions)
+                pre_b.append(s.preempted_by_user["B"])
+                iso.append(s.isolated_ticks)
             return {"submit_median": statistics.median(sub), "submit_worst": max(sub),
                     "arrival_median": statistics.median(arr), "arrival_worst": max(arr),
-                    "throughput_tok_s": statistics.mean(thr), "preemptions": statistics.mean(pre)}
+                    "throughput_tok_s": statistics.mean(thr), "preemptions": statistics.mean(pre),
+                    "b_preemptions": statistics.mean(pre_b), "isolated_ticks": statistics.mean(iso)}
         return self._get(("ab", v.key), go)
 
     # --- the A/B burst on a token-driven clock (8 ms + 0.02 ms per batched token)
@@ -357,43 +417,53 @@ class Lab:
         def go() -> dict:
             ratios, thr, iso = [], [], []
             for seed in range(self.cfg.seeds):
-                reqs = ts.ab_trace(seed)
+                reqs = vc.ab_trace(seed)
                 fin, s = run(reqs)
                 alone, _ = run(vc.without_user(reqs, "A"))
                 ratios.append(bf.median_ttft(fin, "B") / bf.median_ttft(alone, "B"))
                 t0 = min(r.arrival_s for r in reqs)
                 thr.append(sum(len(r.generated) for r in fin) / (max(r.completed_at for r in fin) - t0))
-                iso.append(s.isolation.isolated_ticks if s.isolation is not None else 0)
+                iso.append(s.isolated_ticks)
             return {"ratio_median": statistics.median(ratios), "ratio_worst": max(ratios),
-                    "throughput_tok_s": statistics.mean(thr), "isolated_ticks": statistics.mean(iso),
-                    "per_seed_throughput": thr}
+                    "throughput_tok_s": statistics.mean(thr), "isolated_ticks": statistics.mean(iso)}
         return self._get(("ab_tokens", v.key), go)
 
     # --- the four-user overload (bench_fairness.overload), unweighted and weighted
     def overload(self, v: Variant) -> dict:
         def go() -> dict:
-            res = simulate.run_workload(bf.overload(0, n_per_user=self.cfg.overload_per_user), record_itl=False,
+            n = self.cfg.overload_per_user
+            res = simulate.run_workload(bf.overload(0, n_per_user=n), record_itl=False,
                                         make_scheduler=v.factory(None, bf.RecordingScheduler))
             trace = res.scheduler.trace
             m = res.scheduler.metrics()
-            wres = simulate.run_workload(
-                bf.overload(0, n_per_user=self.cfg.overload_per_user), record_itl=False,
-                make_scheduler=lambda **k: bf.RecordingScheduler(weights=WEIGHTS, **v.kwargs(WEIGHTS), **k))
-            acc = bf.raw_service_while_backlogged(wres.scheduler.trace, bf.OVERLOAD_USERS, WEIGHTS)
-            others = [acc[u] for u in bf.OVERLOAD_USERS if u != "short"]
             return {"jain": bf.jain_while_all_backlogged(trace, list(bf.OVERLOAD_USERS)),
                     "max_gap": bf.max_service_gap(trace), "throughput_tok_s": m["throughput_tokens_per_sec"],
-                    "preemptions": m["preemptions"], "weighted_share": acc["short"] / (sum(others) / len(others))}
+                    "preemptions": m["preemptions"], "weighted_share": self.weighted_share(v)}
         return self._get(("overload", v.key), go)
 
-    # --- the flood (bench_fairness.flood): light users' TTFT beside a 1000s-request backlog
+    def weighted_share(self, v: Variant) -> float:
+        """``bench_fairness``'s weighted overload (``short`` at weight 2): the raw service of
+        ``short`` over the mean of the other three's while all four are backlogged (exact: 2.0)."""
+        def go() -> float:
+            res = simulate.run_workload(
+                bf.overload(0, n_per_user=self.cfg.overload_per_user), record_itl=False,
+                make_scheduler=lambda **k: bf.RecordingScheduler(weights=WEIGHTS, **v.kwargs(WEIGHTS), **k))
+            acc = bf.raw_service_while_backlogged(res.scheduler.trace, bf.OVERLOAD_USERS, WEIGHTS)
+            others = [acc[u] for u in bf.OVERLOAD_USERS if u != "short"]
+            return acc["short"] / (sum(others) / len(others))
+        return self._get(("weighted", v.key), go)
+
+    # --- the flood (bench_fairness.flood): light users' TTFT beside a large backlog of A's
     def flood(self, v: Variant) -> dict:
         def go() -> dict:
-            res = simulate.run_workload(bf.flood(0, n_flood=self.cfg.flood), make_scheduler=v.factory(),
+            res = simulate.run_workload(bf.flood(0, n_flood=self.cfg.flood), make_scheduler=v.factory(None, _Recorder),
                                         record_itl=False)
+            s: _Recorder = res.scheduler
             light = [r.started_at - r.submitted_at for r in res.finished if r.user_id != "A"]
             return {"light_ttft_p99_s": _pct(light, 99), "light_ttft_p50_s": _pct(light, 50),
-                    "throughput_tok_s": res.scheduler.metrics()["throughput_tokens_per_sec"]}
+                    "light_preemptions": sum(n for u, n in s.preempted_by_user.items() if u != "A"),
+                    "preemptions": s.metrics()["preemptions"],
+                    "throughput_tok_s": s.metrics()["throughput_tokens_per_sec"]}
         return self._get(("flood", v.key), go)
 
     # --- long requests amid a saturating stream of short ones (aging)
@@ -436,7 +506,6 @@ class Lab:
                 worst.append(max(r.scheduler.waits().values()))
             return {"max_wait_ticks": max(worst), "per_case_max_wait_ticks": worst}
         return self._get(("wait_cases", v.key), go)
-
 
 def longs_amid_shorts(seed: int, *, n_short: int = 3000, rate_per_s: float = 60.0, n_long: int = 10,
                       every_s: float = 5.0) -> list[Request]:
@@ -494,24 +563,31 @@ def tiny_cache_case(case: int) -> tuple[int, list[Request]]:
 @dataclass
 class Figure:
     """One measured figure of a row: with the mechanism (the default), without it, FCFS's.
-    ``with_`` is NaN for a figure that only exists without it (a paired change)."""
+    ``with_`` is NaN for a figure that only exists without it (a paired change). ``outcome``:
+    False for the mechanism's own count (isolated iterations, ticks with the reservation held),
+    which switching it off zeroes by definition: shown, left out of the verdict."""
 
     label: str
     with_: float
     without: float
     fcfs: float | None
     fmt: str = "{:.2f}"
+    outcome: bool = True
+
+    def change(self) -> float:
+        """The change without the mechanism, a share of the figure with it (NaN when undefined)."""
+        if math.isnan(self.with_) or math.isnan(self.without):
+            return math.nan
+        if self.with_ == self.without:
+            return 0.0
+        return (self.without - self.with_) / abs(self.with_) if self.with_ != 0 else math.inf
 
     def cells(self) -> tuple[str, str, str, str]:
         """(with, without, FCFS, change without it in percent)."""
         def f(x: float | None) -> str:
             return "-" if x is None or math.isnan(x) else self.fmt.format(x)
-        change = "-"
-        if not math.isnan(self.with_) and not math.isnan(self.without):
-            if self.with_ == self.without:
-                change = "0"
-            elif self.with_ != 0:
-                change = f"{100 * (self.without - self.with_) / abs(self.with_):+.1f}%"
+        c = self.change()
+        change = "-" if math.isnan(c) else "from 0" if math.isinf(c) else "0" if c == 0 else f"{100 * c:+.1f}%"
         return f(self.with_), f(self.without), f(self.fcfs), change
 
     def finite(self) -> bool:
@@ -530,6 +606,21 @@ class Row:
     for_: str
     figures: list[Figure]
 
+    def moved(self, threshold: float = MOVED) -> list[Figure]:
+        """The outcome figures that change by ``threshold`` (a share) or more without the mechanism,
+        largest change first (paired changes, which have no figure with it, are left out)."""
+        got = [f for f in self.figures if f.outcome and not math.isnan(f.change()) and abs(f.change()) >= threshold]
+        return sorted(got, key=lambda f: -abs(f.change()))
+
+    def verdict(self, threshold: float = MOVED) -> str:
+        """One line: which figures change by ``threshold`` or more without it, or that none does."""
+        got = self.moved(threshold)
+        n = sum(f.outcome for f in self.figures)
+        if not got:
+            return f"none of its {n} outcome figures changes by {100 * threshold:g}% or more without it"
+        top = "; ".join(f"{f.label.strip()} {f.cells()[3]}" for f in got[:3])
+        return f"{len(got)} of {n} outcome figures change by {100 * threshold:g}% or more without it; largest: {top}"
+
 
 def _mean(xs: Sequence[float]) -> float:
     return statistics.mean(xs) if xs else math.nan
@@ -539,6 +630,10 @@ def _sd(xs: Sequence[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else math.nan
 
 
+def _short(name: str) -> str:
+    return name.split("_")[0].removesuffix(".csv")
+
+
 def row_figures(lab: Lab, v: Variant) -> list[Figure]:
     """The figures that say what ``v``'s mechanism buys (see the module docstring)."""
     cfg = lab.cfg
@@ -546,95 +641,94 @@ def row_figures(lab: Lab, v: Variant) -> list[Figure]:
     wl = cfg.workloads
     figs: list[Figure] = []
 
-    def trio(label: str, get: Callable[[Variant], float], fmt: str = "{:.2f}", fcfs: bool = True) -> None:
-        figs.append(Figure(label, get(D), get(v), get(F) if fcfs else None, fmt))
+    def trio(label: str, get: Callable[[Variant], float], fmt: str = "{:.2f}", fcfs: bool = True,
+             outcome: bool = True) -> None:
+        figs.append(Figure(label if outcome else f"{label} (its own count)", get(D), get(v), get(F) if fcfs else None,
+                           fmt, outcome))
 
-    def workload_trio(metric: str, label: str, names: Sequence[str], fmt: str, scale: float = 1.0) -> None:
+    def workload_trio(metric: str, label: str, names: Sequence[str], fmt: str, scale: float = 1.0,
+                      outcome: bool = True) -> None:
         for n in names:
             if n in wl:
-                trio(f"{n}: {label}", lambda x, n=n: lab.workload(x, n)[metric] * scale, fmt)
+                trio(f"{n}: {label}", lambda x, n=n: lab.workload(x, n)[metric] * scale, fmt, outcome=outcome)
 
-    def anchor_trio(metric: str, label: str, fmt: str, scale: float = 1.0) -> None:
-        for n in cfg.anchors:
-            if lab.anchor(D, n) is not None:
-                short = n.split("_")[0].removesuffix(".csv")
-                trio(f"anchor `{short}`: {label}", lambda x, n=n: lab.anchor(x, n)[metric] * scale, fmt)
+    def anchor_trio(metric: str, label: str, fmt: str, scale: float = 1.0, names: Sequence[str] | None = None) -> None:
+        for n in cfg.anchors if names is None else names:
+            if n in cfg.anchors and lab.anchor(D, n) is not None and metric in lab.anchor(D, n):
+                trio(f"anchor `{_short(n)}`: {label}", lambda x, n=n: lab.anchor(x, n)[metric] * scale, fmt)
 
-    def seeded(family: str, metric: str, label: str, fmt: str, scale: float = 1.0, lower_is_better: bool = True) -> None:
+    def seeded(metric: str, label: str, fmt: str, scale: float = 1.0, lower_is_better: bool = True) -> None:
         """The mean over seeds, then the change paired by seed: its mean and sd, and on how many
         seeds the figure is worse / better without the mechanism."""
-        d, x = lab.seeded(D, family), lab.seeded(v, family)
-        trio(f"{family} ({len(d)} seeds): {label}, mean",
-             lambda y: _mean([r[metric] * scale for r in lab.seeded(y, family)]), fmt)
+        d, x = lab.seeded(D), lab.seeded(v)
+        trio(f"long-kv ({len(d)} seeds): {label}, mean",
+             lambda y: _mean([r[metric] * scale for r in lab.seeded(y)]), fmt)
         diffs = [(b[metric] - a[metric]) * scale for a, b in zip(d, x)]
         worse = sum((c > 0) if lower_is_better else (c < 0) for c in diffs)
         better = sum((c < 0) if lower_is_better else (c > 0) for c in diffs)
         figs.append(Figure(f"  change without it, paired by seed: mean (sd {_sd(diffs):.2f}); worse on {worse}, "
                            f"better on {better} of {len(d)} seeds", math.nan, _mean(diffs), None, "{:+.2f}"))
 
+    ab_n = f"A/B ({cfg.seeds} seeds)"
     if v.key == "vtc":
-        trio(f"overload (4 users x {cfg.overload_per_user}): largest service gap, weighted tokens", lambda x: lab.overload(x)["max_gap"],
-             "{:,.0f}")
+        trio(f"overload (4 users x {cfg.overload_per_user}): largest service gap, weighted tokens",
+             lambda x: lab.overload(x)["max_gap"], "{:,.0f}")
         trio("overload: Jain's index while all backlogged", lambda x: lab.overload(x)["jain"], "{:.3f}")
         trio("overload, weights 2 : 1 : 1 : 1: share of the weight-2 user over the others' mean (exact 2.00)",
              lambda x: lab.overload(x)["weighted_share"])
-        trio(f"A/B ({cfg.seeds} seeds): B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
+        trio(f"{ab_n}: B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
+        anchor_trio("ab_at_once", "B's TTFT ratio at once", "{:.2f}", names=(vc.AB_TRACE,))
+        anchor_trio("ab_from_submit", "B's TTFT ratio from submit", "{:.2f}", names=(vc.AB_TRACE,))
+        anchor_trio("ttft_p99_s", "TTFT p99, s", "{:.2f}")
         trio("overload: output tok/s", lambda x: lab.overload(x)["throughput_tok_s"], "{:.0f}")
     elif v.key == "isolation":
         for k, lbl in (("submit_median", "from submit, median"), ("submit_worst", "from submit, worst seed"),
                        ("arrival_median", "from arrival, median"), ("arrival_worst", "from arrival, worst seed")):
-            trio(f"A/B ({cfg.seeds} seeds): B's median TTFT with A / alone, {lbl}", lambda x, k=k: lab.ab(x)[k])
+            trio(f"{ab_n}: B's median TTFT with A / alone, {lbl}", lambda x, k=k: lab.ab(x)[k])
+        anchor_trio("ab_at_once", "B's TTFT ratio at once", "{:.2f}", names=(vc.AB_TRACE,))
+        anchor_trio("ab_from_submit", "B's TTFT ratio from submit", "{:.2f}", names=(vc.AB_TRACE,))
         trio(f"flood ({cfg.flood} requests of A): light users' TTFT p99, ms",
              lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
-        trio("A/B: output tok/s, mean over seeds", lambda x: lab.ab(x)["throughput_tok_s"], "{:.1f}")
-        trio("flood: output tok/s", lambda x: lab.flood(x)["throughput_tok_s"], "{:.1f}")
-    elif v.key == "latency-model":
-        trio(f"token clock, A/B ({cfg.seeds} seeds): isolated iterations per run",
-             lambda x: lab.ab_tokens(x)["isolated_ticks"], "{:.1f}")
-        trio("token clock, A/B: output tok/s, mean", lambda x: lab.ab_tokens(x)["throughput_tok_s"], "{:.1f}")
-        d, x = lab.ab_tokens(D)["per_seed_throughput"], lab.ab_tokens(v)["per_seed_throughput"]
-        lower = sum(b < a for a, b in zip(d, x))
-        figs.append(Figure(f"  seeds with lower tok/s without it: {lower} of {len(d)}", math.nan, lower, None,
-                           "{:.0f}"))
-        trio("token clock, A/B: B's TTFT ratio, median", lambda x: lab.ab_tokens(x)["ratio_median"])
+        trio("token clock (8 ms + 0.02 ms per batched token), A/B: B's TTFT ratio, median",
+             lambda x: lab.ab_tokens(x)["ratio_median"])
         trio("token clock, A/B: B's TTFT ratio, worst seed", lambda x: lab.ab_tokens(x)["ratio_worst"])
-        trio("stub clock, A/B: B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
-        trio("stub clock, A/B: B's TTFT ratio from submit, worst seed", lambda x: lab.ab(x)["submit_worst"])
-        trio("stub clock, flood: light users' TTFT p99, ms", lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
-        trio("stub clock, A/B: output tok/s", lambda x: lab.ab(x)["throughput_tok_s"], "{:.1f}")
-        workload_trio("throughput_tok_s", "output tok/s (stub clock)", ("azure-conv",), "{:.1f}")
+        trio(f"{ab_n}: isolated iterations per run", lambda x: lab.ab(x)["isolated_ticks"], "{:.1f}", outcome=False)
+        trio(f"{ab_n}: output tok/s, mean over seeds", lambda x: lab.ab(x)["throughput_tok_s"], "{:.1f}")
+        trio("token clock, A/B: output tok/s, mean", lambda x: lab.ab_tokens(x)["throughput_tok_s"], "{:.1f}")
+        trio("flood: output tok/s", lambda x: lab.flood(x)["throughput_tok_s"], "{:.1f}")
+        anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
     elif v.key == "headroom":
         workload_trio("preemptions", "preemptions", ("stream-saturating", "long-kv", "azure-conv", "ab-burst"), "{:.0f}")
         trio("overload: preemptions", lambda x: lab.overload(x)["preemptions"], "{:.0f}")
-        trio(f"A/B ({cfg.seeds} seeds): preemptions per run", lambda x: lab.ab(x)["preemptions"], "{:.1f}")
+        trio(f"{ab_n}: preemptions per run", lambda x: lab.ab(x)["preemptions"], "{:.1f}")
         anchor_trio("preemptions", "preemptions", "{:.0f}")
         workload_trio("throughput_tok_s", "output tok/s", ("stream-saturating", "long-kv", "azure-conv"), "{:.1f}")
         trio("overload: output tok/s", lambda x: lab.overload(x)["throughput_tok_s"], "{:.0f}")
-    elif v.key == "easy":
-        workload_trio("throughput_tok_s", "output tok/s", ("mooncake-conv", "azure-conv", "long-kv", "ab-burst",
-                                                           "stream-saturating"), "{:.1f}")
-        anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
-        workload_trio("ttft_p99_s", "TTFT p99, s", ("mooncake-conv", "azure-conv"), "{:.1f}")
-    elif v.key == "drain":
-        seeded("ab-burst", "throughput_tok_s", "output tok/s", "{:.1f}", lower_is_better=False)
-        trio(f"ab-burst ({cfg.burst_seeds} seeds): TTFT p99, s, mean",
-             lambda x: _mean([r["ttft_p99_s"] for r in lab.seeded(x, "ab-burst")]))
-        trio(f"ab-burst ({cfg.burst_seeds} seeds): TPOT p99, ms, mean",
-             lambda x: _mean([r["tpot_p99_s"] * 1e3 for r in lab.seeded(x, "ab-burst")]), "{:.1f}")
-        workload_trio("throughput_tok_s", "output tok/s", ("ab-burst", "long-kv", "mooncake-conv", "azure-conv"),
-                      "{:.1f}")
         anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
     elif v.key == "resume-first":
         workload_trio("tpot_p99_s", "TPOT p99, ms", ("long-kv", "azure-conv", "mooncake-conv", "stream-saturating"),
                       "{:.0f}", 1e3)
-        anchor_trio("tpot_p99_s", "TPOT p99, ms", "{:.0f}", 1e3)
-        seeded("long-kv", "tpot_p99_s", "TPOT p99, ms", "{:.1f}", 1e3)
+        anchor_trio("tpot_p99_s", "TPOT p99, ms", "{:.1f}", 1e3)
+        seeded("tpot_p99_s", "TPOT p99, ms", "{:.1f}", 1e3)
         workload_trio("throughput_tok_s", "output tok/s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
         workload_trio("preemptions", "preemptions", ("long-kv", "azure-conv", "mooncake-conv"), "{:.0f}")
+    elif v.key == "victim":
+        trio(f"flood ({cfg.flood} requests of A): light users' requests preempted",
+             lambda x: lab.flood(x)["light_preemptions"], "{:.0f}")
+        trio("flood: light users' TTFT p99, ms", lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
+        trio("flood: preemptions", lambda x: lab.flood(x)["preemptions"], "{:.0f}")
+        trio(f"{ab_n}: B's requests preempted per run", lambda x: lab.ab(x)["b_preemptions"], "{:.2f}")
+        trio(f"{ab_n}: B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
+        workload_trio("preemptions", "preemptions", ("stream-saturating", "long-kv", "azure-conv", "mooncake-conv"),
+                      "{:.0f}")
+        anchor_trio("preemptions", "preemptions", "{:.0f}")
+        workload_trio("throughput_tok_s", "output tok/s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
+        workload_trio("ttft_p99_s", "TTFT p99, s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
+        anchor_trio("ttft_p99_s", "TTFT p99, s", "{:.2f}")
     elif v.key == "aging":
         workload_trio("largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks",
                       ("mooncake-conv", "azure-conv", "long-kv"), "{:,.0f}")
-        seeded("long-kv", "largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks", "{:,.0f}")
+        seeded("largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks", "{:,.0f}")
         trio(f"{cfg.wait_cases} random small-cache cases: longest wait of any request, ticks",
              lambda x: lab.wait_cases(x)["max_wait_ticks"], "{:,.0f}")
         d, x = lab.wait_cases(D)["per_case_max_wait_ticks"], lab.wait_cases(v)["per_case_max_wait_ticks"]
@@ -645,8 +739,9 @@ def row_figures(lab: Lab, v: Variant) -> list[Figure]:
                            _mean([b / max(a, 1) for a, b in zip(d, x)]), None, "{:.3f}"))
         trio(f"long prompts amid a 60/s stream ({cfg.longs_seeds} seeds): their longest wait, ticks",
              lambda x: lab.longs(x)["long_max_wait_ticks"], "{:,.0f}")
-        workload_trio("reserved_ticks", "ticks with the reservation held", ("mooncake-conv", "azure-conv"), "{:,.0f}")
-        seeded("long-kv", "throughput_tok_s", "output tok/s", "{:.1f}", lower_is_better=False)
+        workload_trio("reserved_ticks", "ticks with the reservation held", ("mooncake-conv", "azure-conv"), "{:,.0f}",
+                      outcome=False)
+        seeded("throughput_tok_s", "output tok/s", "{:.1f}", lower_is_better=False)
         workload_trio("throughput_tok_s", "output tok/s", ("mooncake-conv", "azure-conv"), "{:.1f}")
     elif v.key == "preemption-cap":
         for n in wl:
@@ -661,11 +756,59 @@ def row_figures(lab: Lab, v: Variant) -> list[Figure]:
     return figs
 
 
-def ablate(cfg: Config, *, only: Sequence[str] | None = None, traces: Path | None = None,
-           matrix: bool = True, log: Callable[[str], None] = lambda s: None) -> tuple[list[Row], dict]:
-    """Run the ablation. Returns (one ``Row`` per mechanism, the matrix: variant -> workload -> figures)."""
+def tolerance_curve(lab: Lab) -> list[dict]:
+    """Per tolerance of ``Config.tolerances``: TTFT p99 (s) on each balanced anchor and the
+    weight-2 user's share on the weighted overload; then FCFS's, and vLLM's TTFT p99 (measured or
+    quoted, ``Lab.vllm``). ``[{"name", "tolerance", "ttft_p99_s": {trace: s}, "weighted_share"}]``."""
+    names = [n for n in lab.cfg.balanced if lab.anchor(DEFAULT, n) is not None]
+    out = []
+    for t in lab.cfg.tolerances:
+        v = DEFAULT if t == fr.TOLERANCE_TOKENS else tolerance_variant(t)
+        out.append({"name": f"T = {t}" + (" (default)" if v is DEFAULT else ""), "tolerance": t,
+                    "ttft_p99_s": {n: lab.anchor(v, n)["ttft_p99_s"] for n in names},
+                    "weighted_share": lab.weighted_share(v)})
+    out.append({"name": "FCFS", "tolerance": None, "ttft_p99_s": {n: lab.anchor(FCFS, n)["ttft_p99_s"] for n in names},
+                "weighted_share": lab.weighted_share(FCFS)})
+    got = {n: lab.vllm(n) for n in names}
+    out.append({"name": "vLLM (" + "/".join(sorted({src for _, src in got.values()})) + ")" if got else "vLLM",
+                "tolerance": None, "ttft_p99_s": {n: x for n, (x, _) in got.items()}, "weighted_share": None})
+    return out
+
+
+def tolerance_figures(lab: Lab, curve: list[dict]) -> list[Figure]:
+    """The tolerance row: each tolerance other than the default's against the default (T = 0):
+    TTFT p99 per balanced anchor (vLLM's in the label) and the weight-2 user's share."""
+    base = next(c for c in curve if c["tolerance"] == fr.TOLERANCE_TOKENS)
+    fcfs, vllm = curve[-2], curve[-1]
+    figs = []
+    for c in curve:
+        if c["tolerance"] is None or c is base:
+            continue
+        for n, x in c["ttft_p99_s"].items():
+            figs.append(Figure(f"T = {c['tolerance']}: anchor `{_short(n)}` TTFT p99, s (vLLM "
+                               f"{vllm['ttft_p99_s'][n]:.2f})", base["ttft_p99_s"][n], x, fcfs["ttft_p99_s"][n]))
+        figs.append(Figure(f"T = {c['tolerance']}: weighted overload, weight-2 user's share (exact 2.00)",
+                           base["weighted_share"], c["weighted_share"], fcfs["weighted_share"]))
+    return figs
+
+
+def ablate(cfg: Config, *, only: Sequence[str] | None = None, traces: Path | None = None, matrix: bool = True,
+           log: Callable[[str], None] = lambda s: None) -> tuple[list[Row], dict, list[dict]]:
+    """Run the ablation.
+
+    Returns:
+        (one ``Row`` per mechanism and the tolerance row, the matrix: variant -> workload or
+        anchor -> figures, the tolerance curve of ``tolerance_curve``; empty without its row).
+    """
     lab = Lab(cfg, traces if traces is not None else vc.traces_dir(), log)
     rows = [Row(v.key, v.name, v.off, v.for_, row_figures(lab, v)) for v in MECHANISMS if not only or v.key in only]
+    curve: list[dict] = []
+    if not only or TOLERANCE in only:
+        curve = tolerance_curve(lab)
+        ts = ", ".join(str(t) for t in cfg.tolerances if t != fr.TOLERANCE_TOKENS)
+        rows.append(Row(TOLERANCE, "tolerance band (a trade-off curve)", f"VTCPolicy(tolerance_tokens=T), T = {ts}",
+                        "balanced load served close to arrival order (TTFT p99) against exact weighted shares",
+                        tolerance_figures(lab, curve)))
     mat: dict[str, dict[str, dict]] = {}
     if matrix:
         for v in (DEFAULT, *MECHANISMS, FCFS):
@@ -676,14 +819,14 @@ def ablate(cfg: Config, *, only: Sequence[str] | None = None, traces: Path | Non
                 a = lab.anchor(v, n)
                 if a is not None:
                     mat[v.key][n] = a
-    return rows, mat
+    return rows, mat, curve
 
 
 # ----------------------------------------------------------------------------- output
 
 
 def table(rows: Sequence[Row]) -> list[str]:
-    """The markdown table: a line per figure, the mechanism named on its first."""
+    """The markdown table: a line per figure, the mechanism named on its first, its verdict last."""
     out = ["| mechanism (switched off by) | what it is for | figure | with it (default) | without it | change | FCFS |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -691,6 +834,44 @@ def table(rows: Sequence[Row]) -> list[str]:
             w, wo, fc, ch = f.cells()
             head = f"**{r.mechanism}** (`{r.off}`) | {r.for_}" if i == 0 else " | "
             out.append(f"| {head} | {f.label} | {w} | {wo} | {ch} | {fc} |")
+        out.append(f"|  |  | **verdict**: {r.verdict()} |  |  |  |  |")
+    return out
+
+
+def curve_table(curve: list[dict]) -> list[str]:
+    """The tolerance curve: a line per tolerance, then FCFS and vLLM."""
+    if not curve:
+        return []
+    names = list(curve[0]["ttft_p99_s"])
+    head = ["tolerance", *(f"`{_short(n)}` TTFT p99 (s)" for n in names), "weighted overload: weight-2 share (exact 2.00)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in curve:
+        share = "-" if c["weighted_share"] is None else f"{c['weighted_share']:.2f}"
+        out.append("| " + " | ".join([c["name"], *(f"{c['ttft_p99_s'][n]:.2f}" for n in names), share]) + " |")
+    return out
+
+
+def anchors_table(mat: dict[str, dict[str, dict]], anchors: Sequence[str]) -> list[str]:
+    """Every variant on the anchor traces: tok/s, TTFT p50 / p99 (s), TPOT p99 (ms), preemptions;
+    and B's TTFT ratio at once / from submit on the A/B anchor."""
+    if not mat:
+        return []
+    names = [n for n in anchors if n in next(iter(mat.values()))]
+    if not names:
+        return []
+    ab = vc.AB_TRACE in names
+    out = ["| variant | " + " | ".join(f"`{_short(n)}`" for n in names) + (" | A/B: at once / from submit |" if ab
+                                                                          else " |"),
+           "|---|" + "---|" * (len(names) + ab)]
+    label = {"default": "default", "fcfs": "FCFS"}
+    for key, cells in mat.items():
+        name = label.get(key, f"{VARIANTS[key].name} off")
+        row = [f"{c['throughput_tok_s']:.1f} / {c['ttft_p50_s']:.2f} / {c['ttft_p99_s']:.2f} / "
+               f"{c['tpot_p99_s'] * 1e3:.1f} / {c['preemptions']:.0f}" for c in (cells[n] for n in names)]
+        if ab:
+            c = cells[vc.AB_TRACE]
+            row.append(f"{c['ab_at_once']:.2f} / {c['ab_from_submit']:.2f}")
+        out.append(f"| {name} | " + " | ".join(row) + " |")
     return out
 
 
@@ -732,33 +913,46 @@ def _commit() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run: one seed, the small workloads (seconds)")
-    p.add_argument("--seeds", type=int, default=10, help="A/B burst seeds for isolation, the model and VTC (default 10)")
-    p.add_argument("--only", default=None, help="comma-separated mechanisms: " + ",".join(v.key for v in MECHANISMS))
-    p.add_argument("--no-matrix", action="store_true", help="leave out the matrix of every variant on every workload")
+    p.add_argument("--seeds", type=int, default=10, help="A/B burst seeds for VTC, isolation and the victim (default 10)")
+    p.add_argument("--only", default=None, help="comma-separated rows: " + ",".join(KEYS))
+    p.add_argument("--no-matrix", action="store_true", help="leave out the tables of every variant on every workload")
     p.add_argument("--traces", default=None, help="folder of the anchor traces (default as bench/vllm_compare.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("-v", "--verbose", action="store_true", help="log each measurement and its CPU time on stderr")
     a = p.parse_args(argv)
     only = [x.strip() for x in a.only.split(",")] if a.only else None
-    if only and (bad := [x for x in only if x not in VARIANTS or x in ("default", "fcfs")]):
-        p.error(f"unknown mechanism {bad[0]!r}; choose from {', '.join(v.key for v in MECHANISMS)}")
+    if only and (bad := [x for x in only if x not in KEYS]):
+        p.error(f"unknown row {bad[0]!r}; choose from {', '.join(KEYS)}")
     if a.seeds < 1:
         p.error("--seeds must be >= 1")
     cfg = Config.quick() if a.quick else Config.full(a.seeds)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.verbose else (lambda s: None)
     t0 = time.perf_counter()
     c0 = time.process_time()
-    rows, mat = ablate(cfg, only=only, traces=Path(a.traces) if a.traces else None, matrix=not a.no_matrix, log=log)
+    rows, mat, curve = ablate(cfg, only=only, traces=Path(a.traces) if a.traces else None, matrix=not a.no_matrix,
+                              log=log)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     meta = {"date": _dt.date.today().isoformat(), "commit": _commit(), "config": dataclasses.asdict(cfg),
             "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
     if a.json:
-        print(json.dumps(_plain({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows], "matrix": mat})))
+        print(json.dumps(_plain({"meta": meta, "rows": [{**dataclasses.asdict(r), "verdict": r.verdict()} for r in rows],
+                                 "tolerance_curve": curve, "matrix": mat})))
         return 0
     print(f"ablation: the default with one mechanism off; simulated clock; {meta['date']}, commit {meta['commit']}; "
-          f"{cpu:.0f} s CPU")
+          f"{cpu:.0f} s CPU, {wall:.0f} s wall")
     print()
     print("\n".join(table(rows)))
+    if curve:
+        print()
+        print("The tolerance band: VTCPolicy(tolerance_tokens=T) on the balanced anchors (TTFT from nominal "
+              "arrival) and the weighted overload")
+        print()
+        print("\n".join(curve_table(curve)))
+    if anchors := anchors_table(mat, cfg.anchors):
+        print()
+        print("Every variant on the anchor traces: tok/s / TTFT p50 (s) / TTFT p99 (s) / TPOT p99 (ms) / preemptions")
+        print()
+        print("\n".join(anchors))
     if mat:
         print()
         print("Every variant on the common workloads: output tok/s / preemptions / TTFT p99 (s) / TPOT p99 (ms)")

@@ -42,7 +42,8 @@ if str(ROOT) not in sys.path:
 
 import inference_stub  # noqa: E402
 import request_gen  # noqa: E402
-from batch.policies.baselines import BASELINES  # noqa: E402
+from batch.core import goodput  # noqa: E402
+from batch.sim.baselines import BASELINES  # noqa: E402
 from batch.policies.oracle import ClairvoyantPolicy  # noqa: E402
 from batch.sim.simulate import run_workload  # noqa: E402
 from batch.sim.workloads import QUICK_WORKLOADS, WORKLOADS, Workload  # noqa: E402
@@ -362,7 +363,7 @@ def run_cell(workload: Workload, policy: str, *, requests: list[Request] | None 
 
     res = run_workload(reqs, make_scheduler=factory, virtual=True, gpu_seed=gpu_seed,
                        eos_probability=workload.eos_probability, kv_cap_blocks=workload.kv_cap_blocks)
-    m = res.scheduler.metrics()
+    m = dict(res.scheduler.metrics(), jain_index_output_tokens=goodput.jain_index_of(res.finished))
     if track_service:
         end = res.sim_s
         for u in users:
@@ -688,7 +689,7 @@ cache exactly); a scheduler that learns output lengths only at EOS loses the tai
 long requests remain in small, base-cost-dominated iterations, and the blocks that no waiting
 request fits into. The "best of bound, any policy" column below shows how much of a miss is
 shared by every policy, and the clairvoyant oracle's column (`oracle.ClairvoyantPolicy`: it
-knows every output length, admits the longest remaining work first and backfills) how much
+knows every output length and admits the longest remaining work first) how much
 of the bound a schedule that knows the future reaches with greedy packing: the rest of the
 gap is the bound's idealisation or the oracle's greedy choices, not a loss of online
 knowledge. A tighter bound is not easy to get: the Martello-Toth L2 bin-packing bound over
@@ -731,10 +732,10 @@ def write_report(results: list[WorkloadResult], path: Path, img_dir: Path, *, ov
                     "preempts: TGI / TensorRT-LLM default (`baselines.ReservationScheduler`) |",
                     "| FCFS-recompute | FCFS continuous batching, preemption by recompute, newest victim first: vLLM V1 "
                     "(`Scheduler(policy=FCFSPolicy())`) |",
-                    "| Round-robin | per-user round-robin admission, recompute preemption of the largest user's newest "
-                    "request (`policy.RoundRobinPolicy`) |",
+                    "| Round-robin | per-user round-robin admission, preemption by recompute of the newest admission "
+                    "(`roundrobin.RoundRobinPolicy`) |",
                     "| Oracle (clairvoyant, not deployable) | told every request's true output length before the run "
-                    "(`bench.output_lengths`): longest remaining work first, backfill, fewest-computed-tokens victim "
+                    "(`bench.output_lengths`): longest remaining work first, fewest-computed-tokens victim "
                     "(`oracle.ClairvoyantPolicy`). A yardstick for the bound, not a baseline: it is left out of every "
                     "comparison and goal |", "",
                     "All share the simulator, the 64-token chunked prefill and the KV ledger. Columns: output "

@@ -44,8 +44,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import inference_stub  # noqa: E402
-from batch.core.metrics import jain_index  # noqa: E402
-from batch.policies.policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy  # noqa: E402
+from batch.core.goodput import jain_index  # noqa: E402
+from batch.policies.policy import FCFSPolicy  # noqa: E402
+from batch.policies.roundrobin import RoundRobinPolicy  # noqa: E402
+from batch.policies.vtc import VTCPolicy  # noqa: E402
 from batch.sim import simulate  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
@@ -122,37 +124,33 @@ def returning(seed: int, *, n_backlog: int = 600, idle_until_s: float = 8.0, n_r
 
 class RecordingScheduler(Scheduler):
     """A ``Scheduler`` that records, after every tick, each user's cumulative service and
-    whether it is backlogged (has a waiting request): what the fairness figures need.
+    whether it is backlogged (has a waiting request): what the fairness figures need; and
+    counts the isolated iterations (``Plan.isolated``) in ``isolated_ticks``.
 
-    Service is counted as the VTC counter charges it: w_p per prompt token processed for the
-    first time, w_q per output token, divided by the user's weight (``weights``).
+    Service is counted as the VTC counter charges it: w_p per prompt token computed for the
+    first time (``Seq.prompt_charged_tokens``), w_q per output token, divided by the user's
+    weight (``weights``, default the policy's ``weight``).
     """
 
     def __init__(self, *args, weights: dict[str, int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.rec_weights = weights or {}
+        self.rec_weights = weights
         self.service: dict[str, float] = {}
-        self.waiting: dict[str, int] = {}
         self.trace: list[tuple[float, dict[str, float], frozenset[str]]] = []
+        self.isolated_ticks = 0
 
-    def submit(self, request: Request) -> None:
-        super().submit(request)
-        self.waiting[request.user_id] = self.waiting.get(request.user_id, 0) + 1
+    def _weight(self, user: str) -> int:
+        return self.policy.weight(user) if self.rec_weights is None else self.rec_weights.get(user, 1)
 
-    def update_from_output(self, plan, tokens, *, iteration_start_s=None):
-        before = [(s.seq, s.seq.num_prompt_tokens_served, len(s.seq.req.generated)) for s in plan.batch]
-        for q in plan.preempted:
-            self.waiting[q.user_id] += 1
-        for s in plan.batch:
-            if s.admitted:
-                self.waiting[s.seq.user_id] -= 1
-        out = super().update_from_output(plan, tokens, iteration_start_s=iteration_start_s)
-        for seq, served, gen in before:
-            units = fr.service_units(seq.num_prompt_tokens_served - served, len(seq.req.generated) - gen,
+    def update_from_output(self, plan, tokens, **kw):
+        before = [(e.seq, e.seq.prompt_charged_tokens, len(e.seq.req.generated)) for e in plan.batch]
+        out = super().update_from_output(plan, tokens, **kw)
+        for seq, charged, gen in before:
+            units = fr.service_units(seq.prompt_charged_tokens - charged, len(seq.req.generated) - gen,
                                      fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
-            self.service[seq.user_id] = self.service.get(seq.user_id, 0.0) + units / self.rec_weights.get(
-                seq.user_id, 1)
-        self.trace.append((self.clock(), dict(self.service), frozenset(u for u, n in self.waiting.items() if n > 0)))
+            self.service[seq.user_id] = self.service.get(seq.user_id, 0.0) + units / self._weight(seq.user_id)
+        self.isolated_ticks += plan.isolated
+        self.trace.append((self.clock(), dict(self.service), frozenset(self.state.waiting_by_user)))
         return out
 
 
@@ -260,7 +258,7 @@ def ab_row(contender: Contender, seeds: Sequence[int], spread: bool, fcfs_thr: d
             thr_rel.append(thr / fcfs_thr[seed])
         m = res.scheduler.metrics()
         pre += m["preemptions"]
-        iso += res.scheduler.isolation.isolated_ticks if res.scheduler.isolation else 0
+        iso += res.scheduler.isolated_ticks
     return {"ratio_med": statistics.median(ratios), "ratio_max": max(ratios),
             "thr_vs_fcfs": statistics.mean(thr_rel) if thr_rel else None, "preemptions": pre / len(seeds),
             "isolated": iso / len(seeds)}
@@ -293,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for seed in range(40) for iso in (False, True)]
         print("== a large prompt amid a flood of small requests and preemptions: ticks from its arrival to its"
               " admission ==")
-        print("   40 seeds x isolation off/on; resume_decodes_first=True (shipped) against False")
+        print("   40 seeds x isolation off/on; resume_first=True (shipped) against False")
         on, off = [r[2] for r in rows], [r[3] for r in rows]
         print(f"   runs: {len(rows)}; same wait {sum(x == y for x, y in zip(on, off))}, longer "
               f"{sum(x > y for x, y in zip(on, off))}, shorter {sum(x < y for x, y in zip(on, off))}; "
@@ -357,14 +355,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         t = sorted(r.started_at - r.submitted_at for r in res.finished if r.user_id != "A")
         p99 = t[min(len(t) - 1, int(0.99 * len(t)))]
         ticks = max_wait_ticks(res, ("B", "C"))
-        iso = res.scheduler.isolation.isolated_ticks if res.scheduler.isolation else 0
+        iso = res.scheduler.isolated_ticks
         print(f"{c.name:14} {statistics.median(t) * 1e3:10.1f}ms {p99 * 1e3:6.1f}ms {t[-1] * 1e3:6.1f}ms "
               f"{ticks:14d} {user_throughput(res, 'A'):11.0f} "
               f"{res.scheduler.metrics()['throughput_tokens_per_sec']:9.0f} {iso:8d}")
-    k = res.scheduler.isolation.max_sit_out_ticks if res.scheduler.isolation else 8
-    work = -(-PROMPT_RANGE[1] // 64) + MAX_TOKENS_RANGE[1]
-    print(f"   derived bound at the front of the order: aging_ticks + (K+1)*(chunks+max_tokens) + 1 = "
-          f"{fr.admission_wait_bound(32, k, work)} ticks (aging 32, K={k}, work {work})")
+    cfg = res.scheduler.config
+    k, aging = cfg.max_sit_out_ticks, cfg.aging_ticks
+    work = -(-PROMPT_RANGE[1] // cfg.prefill_chunk_tokens) + MAX_TOKENS_RANGE[1]
+    print(f"   derived bound at the front of the order: aging_ticks + (chunks+max_tokens) + 1 = "
+          f"{fr.admission_wait_bound(aging, work)} counted ticks (not isolated; aging {aging}, work {work}; "
+          f"isolated ticks at most K={k} in a row)")
 
     print("\n== returning user: A and C backlogged; B idles, then returns with 200 requests at t = 8 s; seed 0, virtual clock ==")
     print(f"{'policy':14} {'B share after return':>20} {'fair':>5}")
@@ -397,11 +397,11 @@ class _AdmissionTicks(Scheduler):
         return super().update_from_output(plan, tokens, **kw)
 
 
-def large_prompt_wait_ticks(seed: int, resume_decodes_first: bool, isolation: bool) -> int:
+def large_prompt_wait_ticks(seed: int, resume_first: bool, isolation: bool) -> int:
     """Ticks from the arrival of one large prompt (user ``x``, a third of the cache or more,
     arriving at tick 20) to its admission, while one or two other users submit 1-3 small
     requests every tick into a cache of 16-48 blocks of 4 tokens (so decodes are preempted
-    and come back): the search that compared the versions of ``resume_decodes_first``
+    and come back): the search that compared the versions of ``resume_first``
     (``docs/fairness.md``, section 3). Seeded; a step clock; no EOS.
 
     Raises:
@@ -414,7 +414,7 @@ def large_prompt_wait_ticks(seed: int, resume_decodes_first: bool, isolation: bo
     s = _AdmissionTicks(backend=lambda batch: [1 + (len(r.prompt) + len(r.generated)) % 63 for r in batch],
                         clock=lambda: next(ticks) * 1e-3, kv_cap_blocks=cap, block_tokens=B,
                         prefill_chunk_tokens=rng.choice([8, 16, 64]), aging_ticks=rng.choice([4, 8, 32]),
-                        policy=VTCPolicy(resume_decodes_first=resume_decodes_first), isolation=isolation,
+                        resume_first=resume_first, isolation=isolation,
                         max_preemptions=rng.choice([None, 2, 4]))
 
     def req(rid: str, user: str, n_prompt: int, max_tokens: int) -> Request:

@@ -67,7 +67,7 @@ def iter_workload(n: int, *, users: int, rate_per_s: float, seed: int) -> Iterat
 
 def retained(s: Scheduler) -> dict[str, int]:
     """What the scheduler still holds: every per-request container."""
-    return {"running": len(s.running), "waiting": len(s.policy), "by_obj": len(s._by_obj), "by_id": len(s._by_id),
+    return {"running": len(s.running), "waiting": len(s.policy), "by_obj": len(s.state.by_obj), "by_id": len(s.state.by_id),
             "pending_aborts": len(s._pending_aborts), "kv_blocks_in_use": s.pool.num_used}
 
 

@@ -1,10 +1,10 @@
 """Throughput experiments behind ``docs/throughput.md``: where Batch's throughput goes, and what
 the knobs that would recover it cost in TTFT.
 
-    python bench/bench_throughput.py                # every experiment (about 15 minutes on 2 cores)
+    python bench/bench_throughput.py                # every experiment
     python bench/bench_throughput.py --only seeds --seeds 8   # only the seed spread, 8 seeds
-    python bench/bench_throughput.py --only sweep   # one experiment (repeatable): seeds, sweep, knobs, l2, lpt, orders,
-                                              # victims, backfill, easy, idle, resume, drain, search or ttft
+    python bench/bench_throughput.py --only knobs   # one experiment (repeatable): seeds, knobs, l2, lpt, orders,
+                                              # victims, idle, resume, search or ttft
 
 Experiments (all on the virtual clock, through ``bench.run_cell``; fractions are of the
 workload's upper bound, ``bench.throughput_upper_bound``):
@@ -12,46 +12,40 @@ workload's upper bound, ``bench.throughput_upper_bound``):
 * ``seeds``: Batch, FCFS-recompute and round robin on the A/B burst and on the 30 long
   requests with the workload seed varied (one seed is what ``make bench`` reports): mean,
   minimum and maximum fraction of the bound over the seeds.
-* ``sweep``: VTC's drain phase (``policy.DRAIN_SHARE``: each user's queue longest first once
-  the waiting requests number at most this share of the resident ones) from the shipped 1/2
-  to "always"; per saturating workload, the fraction of the bound and the TTFT p99 over the
-  best TTFT p99 of the policies ``make bench`` compares (the goal allows 1.10x).
-* ``knobs``: Batch with one knob changed (backfill, EASY backfilling, admission headroom, isolation, the
-  preemption cap): fraction of the bound and preemptions per saturating workload.
+* ``knobs``: Batch with one mechanism switched off at a time (admission headroom, isolation,
+  resume-first, aging, the preemption cap; ``KNOBS``): fraction of the bound and preemptions
+  per saturating workload.
 * ``l2``: the Martello-Toth L2 lower bound on bins (iterations of ``cap`` blocks) over each
   workload's request-iterations, against the area term ``ceil(S / cap)`` of the bound: is the
   bound loose because of packing within an iteration?
-* ``lpt``: longest ``max_tokens`` first with backfill (a deployable policy: it reads only
-  ``max_tokens``) against Batch and the clairvoyant oracle; on the trace workloads, whose
-  requests run to ``max_tokens``, it knows what the oracle knows.
+* ``lpt``: longest ``max_tokens`` first (a deployable policy: it reads only ``max_tokens``)
+  against Batch and the clairvoyant oracle; on the trace workloads, whose requests run to
+  ``max_tokens``, it knows what the oracle knows.
 * ``orders``: the oracle's list rule told the true output lengths, with each admission order
-  (longest first, shortest first, arrival) and with backfill on and off: the best fraction of
-  the bound any of these rules reaches, and its TTFT p99.
+  (longest first, shortest first, arrival): the best fraction of the bound any of these rules
+  reaches, and its TTFT p99.
 * ``victims``: the victim rule over 8 workload seeds (A/B burst, long requests) and 4 trace
   windows (rows 0-599, 600-1199, ... of the Azure conversation trace; 200-row windows of the
-  Mooncake trace): Batch as shipped, the rule it replaced, and no user shielded.
-* ``backfill``: Batch with and without backfill over the same seeds and windows.
-* ``easy``: Batch with and without EASY backfilling (``batch/core/backfill.py``), and the two best
-  baselines, over the same seeds and windows.
-* ``idle``: where the idle KV blocks are, with and without EASY backfilling: per saturating
+  Mooncake trace): Batch as shipped (VTC's rule: light users' requests last, then fewest
+  preemptions, fewest computed tokens, newest), vLLM's newest admission, and no user shielded.
+* ``idle``: where the idle KV blocks are, for Batch and FCFS-recompute: per saturating
   workload, the mean share of the cache left free in ticks with nothing waiting, in ticks
-  where no waiting request would fit, and in ticks where one would (head-of-line blocking);
-  and the scheduler's CPU time per tick (the simulated GPU's excluded).
+  where no waiting request would fit, and in ticks where one would (head-of-line blocking:
+  admission stops at the first request that does not fit); and the scheduler's CPU time per
+  tick (the simulated GPU's excluded).
 * ``resume``: TPOT p99 of Batch (preempted decodes resume ahead of the VTC order), of Batch
-  with ``resume_decodes_first=False``, and of FCFS-recompute, on the saturating workloads and
-  over seeds and windows.
-* ``drain``: drain-phase variants (share, pass cap, backfill in the drain phase only) over 8
-  seeds of the A/B burst, with TTFT p99 over the best baseline's.
+  with ``resume_first=False``, and of FCFS-recompute, on the saturating workloads and over
+  seeds and windows.
 * ``search``: how far a better admission order gets on ``long-kv``, where every request
   arrives at once and runs to ``max_tokens`` (so its order can be fixed in advance): a seeded
   local search (swap two requests or move one) over fixed priority orders, started from
   longest remaining work first, keeping each change that does not lower the fraction of the
   bound. A lower limit on what a schedule can reach, not a policy.
-* ``ttft``: on the A/B burst, where throughput and TTFT p99 pull apart: every drain share x
-  pass cap, and the ``AgedLPT`` rule at four settings, over 8 seeds (how many seeds meet both
-  goals), then the same local search as
-  ``search`` from arrival order, keeping only orders whose largest TTFT stays within the goal's
-  10% over the best baseline's TTFT p99: over all positions, and over the last 30 only.
+* ``ttft``: on the A/B burst, where throughput and TTFT p99 pull apart: Batch as shipped and
+  the ``AgedLPT`` rule at each of ``AGED_LPT_BETAS_S`` over 8 seeds (how many seeds meet both
+  goals), then the same local search as ``search`` from arrival order, keeping only orders
+  whose largest TTFT stays within the goal's 10% over the best baseline's TTFT p99: over all
+  positions, and over the last 30 only.
 """
 from __future__ import annotations
 
@@ -71,17 +65,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402  (bench/bench.py, beside this file)
-from batch.policies import policy  # noqa: E402
+from batch.core import step  # noqa: E402
 from batch.policies.oracle import ClairvoyantPolicy  # noqa: E402
-from batch.policies.policy import VTCPolicy  # noqa: E402
+from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
+from batch.policies.vtc import VTCPolicy  # noqa: E402
 from batch.sim import traces, workloads  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
 from spec import lifecycle as lc  # noqa: E402
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
-EXPERIMENTS = ("seeds", "sweep", "knobs", "l2", "lpt", "orders", "victims", "backfill", "easy", "idle", "resume",
-               "drain", "search", "ttft")
+EXPERIMENTS = ("seeds", "knobs", "l2", "lpt", "orders", "victims", "idle", "resume", "search", "ttft")
 #: Local-search steps of ``--only search`` (each one run of the workload, about 0.2 s on ``long-kv``).
 SEARCH_STEPS = 600
 
@@ -111,22 +104,17 @@ def seed_spread(n_seeds: int, policies: Sequence[str] = ("Batch", "FCFS-recomput
     return lines
 
 
-class OverServedVictim(VTCPolicy):
-    """VTC with the victim rule Batch shipped before: only a user holding more than its
-    weighted share of the KV blocks (``over_served``) may lose a request, if any does; among
-    those the same order (fewest preemptions, fewest computed tokens, latest admitted)."""
+class NewestVictim(VTCPolicy):
+    """VTC with vLLM's victim rule: the most recently admitted request (``Policy.victim``)."""
 
-    def choose_victim(self, running: Sequence[Any]) -> Any:
-        over = self.users_where(fr.over_served, running)
-        return min(running, key=lambda s: (s.user_id not in over, s.num_preemptions, s.num_computed_tokens,
-                                           -s.admit_no))
+    victim = Policy.victim
 
 
 class UnshieldedVictim(VTCPolicy):
     """VTC with no user shielded: the request that loses the least, whoever's it is."""
 
-    def choose_victim(self, running: Sequence[Any]) -> Any:
-        return min(running, key=lambda s: (s.num_preemptions, s.num_computed_tokens, -s.admit_no))
+    def victim(self, candidates: Sequence[Any]) -> Any:
+        return min(candidates, key=lambda s: (s.num_preemptions, s.num_computed_tokens, -s.admit_no))
 
 
 def _trace_window(file: str, rows: int, k: int, users_seed: int) -> list:
@@ -194,61 +182,46 @@ def over_seeds(variants: dict[str, Callable[..., Scheduler]], cases: Sequence[tu
 
 def victim_rules() -> list[str]:
     """The victim rule over workload seeds and trace windows: Batch as shipped (light users'
-    requests last), the previous rule (over-served users only) and no shield."""
+    requests last), vLLM's newest admission, and no user shielded."""
     return over_seeds({
         "light users last (shipped)": lambda **kw: Scheduler(**kw),
-        "over-served users only (before)": lambda **kw: Scheduler(policy=OverServedVictim(), **kw),
+        "newest admission (vLLM)": lambda **kw: Scheduler(policy=NewestVictim(), **kw),
         "no user shielded": lambda **kw: Scheduler(policy=UnshieldedVictim(), **kw)}, _seed_cases())
-
-
-def backfill_over_seeds() -> list[str]:
-    """Batch with and without backfill over workload seeds and trace windows."""
-    return over_seeds({"Batch (shipped)": lambda **kw: Scheduler(**kw),
-                       "backfill=True": lambda **kw: Scheduler(policy=VTCPolicy(backfill=True), **kw)},
-                      _seed_cases())
-
-
-def easy_over_seeds() -> list[str]:
-    """Batch with and without EASY backfilling, FCFS-recompute and round robin, over workload
-    seeds and trace windows."""
-    return over_seeds({"Batch (shipped: EASY)": lambda **kw: Scheduler(**kw),
-                       "easy_backfill=False": lambda **kw: Scheduler(easy_backfill=False, **kw),
-                       "FCFS-recompute": bench.POLICIES["FCFS-recompute"],
-                       "Round-robin": bench.POLICIES["Round-robin"]}, _seed_cases(), per_case=True)
 
 
 def idle_blocks(names: Sequence[str] = SATURATING) -> list[str]:
     """Mean free share of the cache per tick, split by what was waiting (see the module docstring),
-    and the scheduler's CPU time per tick, for Batch with and without EASY backfilling."""
-    lines = ["| workload | variant | free: all ticks | nothing waiting | none would fit | one would fit "
+    and the scheduler's CPU time per tick, for Batch and FCFS-recompute."""
+    lines = ["| workload | policy | free: all ticks | nothing waiting | none would fit | one would fit "
              "| scheduler CPU per tick |", "|---|---|---|---|---|---|---|"]
     for name in names:
         w = _workload(name)
-        for label, flag in (("Batch (EASY)", True), ("easy_backfill=False", False)):
+        for label, make_policy in (("Batch", VTCPolicy), ("FCFS-recompute", FCFSPolicy)):
             rows: list[tuple[int, int]] = []  # (free blocks before forward, fewest blocks a waiting request needs)
             holder: dict[str, Scheduler] = {}
             cpu = [0.0, 0]
 
-            def make(flag: bool = flag, rows: list = rows, holder: dict = holder, cpu: list = cpu,
-                     **kw: Any) -> Scheduler:
+            def make(make_policy: Callable[[], Policy] = make_policy, rows: list = rows, holder: dict = holder,
+                     cpu: list = cpu, **kw: Any) -> Scheduler:
                 inner = kw.pop("backend")
 
                 def traced(batch: list) -> list[int]:
                     s = holder["s"]
-                    waiting = [q for v in s._by_id.values() for q in (v if isinstance(v, list) else [v])
-                               if q.state in lc.WAITING_STATES]
-                    rows.append((s.pool.num_free, min((s._admission_blocks(q) for q in waiting), default=-1)))
+                    waiting = [q for q in s.state.by_obj.values() if q.state in lc.WAITING_STATES]
+                    rows.append((s.pool.num_free, min((step.admission_blocks(q, s.config) for q in waiting),
+                                                      default=-1)))
                     return inner(batch)
 
-                holder["s"] = s = _Timed(easy_backfill=flag, backend=traced, **kw)
+                holder["s"] = s = _Timed(policy=make_policy(), backend=traced, **kw)
                 s.cpu = cpu
                 return s
 
-            bench.POLICIES[label] = make
+            key = f"idle {label}"
+            bench.POLICIES[key] = make
             try:
-                bench.run_cell(w, label)
+                bench.run_cell(w, key)
             finally:
-                del bench.POLICIES[label]
+                del bench.POLICIES[key]
             a = np.array(rows, dtype=float).reshape(-1, 2)
             free, need, cap = a[:, 0], a[:, 1], w.kv_cap_blocks
             share = [free[m].sum() / len(a) / cap for m in (free >= 0, need < 0, (need >= 0) & (free < need),
@@ -279,10 +252,10 @@ class _Timed(Scheduler):
 
 def resume_first(names: Sequence[str] = SATURATING) -> list[str]:
     """TPOT p99 and throughput: Batch (preempted decodes resume first), Batch with
-    ``resume_decodes_first=False`` (they wait in their user's queue, in counter order), FCFS-recompute."""
+    ``resume_first=False`` (they wait in their user's queue, in counter order), FCFS-recompute."""
     variants: dict[str, Callable[..., Scheduler]] = {
         "Batch (shipped: preempted decodes resume first)": lambda **kw: Scheduler(**kw),
-        "resume_decodes_first=False": lambda **kw: Scheduler(policy=VTCPolicy(resume_decodes_first=False), **kw),
+        "resume_first=False": lambda **kw: Scheduler(resume_first=False, **kw),
         "FCFS-recompute": bench.POLICIES["FCFS-recompute"]}
     lines = ["| workload | " + " | ".join(variants) + " |", "|" + "---|" * (len(variants) + 1)]
     for name in names:
@@ -300,87 +273,22 @@ def resume_first(names: Sequence[str] = SATURATING) -> list[str]:
     return lines + over_seeds(variants, _seed_cases(), metric="tpot_p99_s")
 
 
-def drain_variants() -> list[str]:
-    """The A/B burst over 8 seeds with drain-phase variants: share, pass cap, backfill in the
-    drain phase only. Fraction of the bound and TTFT p99 over the best baseline's on the same seed."""
-    combos = [("1/2, 8 passes (shipped)", (1, 2), 8, False), ("2/1, 8 passes", (2, 1), 8, False),
-              ("2/1, 2 passes", (2, 1), 2, False), ("2/1, 1 pass", (2, 1), 1, False),
-              ("2/1, drain backfill", (2, 1), 8, True), ("1/1, drain backfill", (1, 1), 8, True)]
-    got: dict[str, list[tuple[float, float]]] = {}
-    saved = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
-    try:
-        for name, build in _seed_cases(names=("ab-burst",)):
-            w = replace(_workload(name), build=build)
-            b = bench.throughput_upper_bound(build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
-            policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = saved
-            best = min(bench.run_cell(w, p).metrics["ttft_p99_s"] for p in bench.BASELINES)
-            for label, share, passes, bf in combos:
-                policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = share, passes
-                bench.POLICIES[label] = (lambda **kw: Scheduler(policy=_DrainBackfill(), **kw)) if bf else _plain
-                try:
-                    c = bench.run_cell(w, label)
-                finally:
-                    del bench.POLICIES[label]
-                got.setdefault(label, []).append((bench.fraction(c, b), c.metrics["ttft_p99_s"] / best))
-    finally:
-        policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = saved
-    lines = ["| drain variant | mean of bound | TTFT p99 / best baseline's: mean | max |", "|---|---|---|---|"]
-    for label, xs in got.items():
-        lines.append(f"| {label} | {np.mean([f for f, _ in xs]):.4f} | {np.mean([t for _, t in xs]):.3f}x "
-                     f"| {max(t for _, t in xs):.2f}x |")
-    return lines
-
-
-def _plain(**kw: Any) -> Scheduler:
-    return Scheduler(**kw)
-
-
-class _DrainBackfill(VTCPolicy):
-    """VTC that backfills in its drain phase only."""
-
-    @property  # type: ignore[override]
-    def backfill(self) -> bool:
-        return self._drain
-
-    @backfill.setter
-    def backfill(self, value: bool) -> None:
-        pass
-
-
-def drain_sweep(shares: Sequence[tuple[int, int]] = ((1, 2), (1, 1), (2, 1), (4, 1), (100, 1))) -> list[str]:
-    """Batch with ``policy.DRAIN_SHARE`` set to each share: fraction of the bound and TTFT p99
-    over the best TTFT p99 among ``bench.POLICIES`` as shipped (measured here)."""
-    best = {name: min(_fraction(_workload(name), p)[1]["ttft_p99_s"] for p in bench.POLICIES)  # as shipped
-            for name in SATURATING}
-    head = "| drain share | " + " | ".join(SATURATING) + " |"
-    lines = [head, "|" + "---|" * (len(SATURATING) + 1)]
-    saved = policy.DRAIN_SHARE
-    try:
-        for share in shares:
-            policy.DRAIN_SHARE = share
-            row = [f"{share[0]}/{share[1]}" if share[0] < 100 else "always"]
-            for name in SATURATING:
-                f, m = _fraction(_workload(name), "Batch")
-                row.append(f"{f:.3f}, TTFT p99 {m['ttft_p99_s'] / best[name]:.2f}x")
-            lines.append("| " + " | ".join(row) + " |")
-    finally:
-        policy.DRAIN_SHARE = saved
-    return lines
+#: ``knobs``: Batch with one mechanism switched off (the switches of ``bench/ablation.py``).
+KNOBS: dict[str, dict[str, Any]] = {
+    "Batch (shipped)": {},
+    "admission_headroom=False": {"admission_headroom": False},
+    "isolation=False": {"isolation": False},
+    "resume_first=False": {"resume_first": False},
+    "aging_ticks=10**9": {"aging_ticks": 10 ** 9},
+    "max_preemptions=None": {"max_preemptions": None},
+}
 
 
 def knobs() -> list[str]:
     """Batch with one knob changed at a time, fraction of the bound per saturating workload."""
-    variants: dict[str, Callable[..., Scheduler]] = {
-        "Batch (shipped)": lambda **kw: Scheduler(**kw),
-        "backfill=True": lambda **kw: Scheduler(policy=VTCPolicy(backfill=True), **kw),
-        "easy_backfill=False": lambda **kw: Scheduler(easy_backfill=False, **kw),
-        "admission_headroom=False": lambda **kw: Scheduler(admission_headroom=False, **kw),
-        "isolation=False": lambda **kw: Scheduler(isolation=False, **kw),
-        "max_preemptions=None": lambda **kw: Scheduler(max_preemptions=None, **kw),
-    }
     lines = ["| variant | " + " | ".join(SATURATING) + " |", "|" + "---|" * (len(SATURATING) + 1)]
-    for label, make in variants.items():
-        bench.POLICIES.setdefault(label, make)
+    for label, knob in KNOBS.items():
+        bench.POLICIES.setdefault(label, lambda knob=knob, **kw: Scheduler(**knob, **kw))
         row = [label]
         for name in SATURATING:
             f, m = _fraction(_workload(name), label)
@@ -431,20 +339,26 @@ def l2_vs_area() -> list[str]:
     return lines
 
 
+def remaining_iterations(seq: Any, chunk_tokens: int) -> int:
+    """Iterations ``seq`` may still need, reading only ``max_tokens``: chunks to (re)compute its
+    tokens, then the decodes left were it to run to ``max_tokens``."""
+    return -(-seq.num_tokens // chunk_tokens) + max(0, seq.req.max_tokens - len(seq.req.generated) - 1)
+
+
 class LongestMaxTokensFirst(ClairvoyantPolicy):
-    """Deployable: the oracle's rule (longest remaining work first, backfill, fewest computed
-    tokens as victim) with ``max_tokens`` standing in for the true output length."""
+    """Deployable: the oracle's rule (longest remaining work first, fewest computed tokens as
+    victim) with ``max_tokens`` standing in for the true output length."""
 
     def __init__(self) -> None:
         super().__init__({})
 
     def remaining_iterations(self, seq: Any) -> int:
-        return policy.remaining_iterations(seq, self._chunk)  # max_tokens for the length
+        return remaining_iterations(seq, self._chunk)
 
 
-def lpt_backfill(names: Sequence[str] = ("long-kv", "azure-conv", "mooncake-conv", "ab-burst")) -> list[str]:
-    """Batch, longest-``max_tokens``-first with backfill, and the oracle: fraction and TTFT p99."""
-    key = "LPT max_tokens + backfill"
+def lpt_max_tokens(names: Sequence[str] = ("long-kv", "azure-conv", "mooncake-conv", "ab-burst")) -> list[str]:
+    """Batch, longest-``max_tokens``-first, and the oracle: fraction and TTFT p99."""
+    key = "LPT max_tokens"
     bench.POLICIES.setdefault(key, lambda **kw: Scheduler(policy=LongestMaxTokensFirst(), **kw))
     lines = ["| workload | policy | of bound | TTFT p50 / p99 (s) | preemptions |", "|---|---|---|---|---|"]
     for name in names:
@@ -457,22 +371,21 @@ def lpt_backfill(names: Sequence[str] = ("long-kv", "azure-conv", "mooncake-conv
 
 def clairvoyant_orders(names: Sequence[str] = SATURATING) -> list[str]:
     """The oracle's list rule with each admission order (``oracle.ClairvoyantPolicy``: longest
-    remaining work first, shortest first, arrival order), with and without backfill, all told
-    the true output lengths: the best fraction of the bound any of these rules reaches."""
-    orders = [(o, bf) for o in ClairvoyantPolicy.ORDERS for bf in (True, False)]
-    head = " | ".join(f"{o}{' + backfill' if bf else ''}" for o, bf in orders)
-    lines = [f"| workload | {head} | best |", "|" + "---|" * (len(orders) + 2)]
+    remaining work first, shortest first, arrival order), all told the true output lengths:
+    the best fraction of the bound any of these rules reaches."""
+    orders = ClairvoyantPolicy.ORDERS
+    lines = [f"| workload | {' | '.join(orders)} | best |", "|" + "---|" * (len(orders) + 2)]
     for name in names:
         w = _workload(name)
         b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
         row, best = [name], 0.0
-        for o, bf in orders:
+        for o in orders:
             reqs = w.build()
             lengths = bench.output_lengths(reqs, kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
             known = {id(r): n for r, n in zip(reqs, lengths) if n is not None}
-            key = f"clairvoyant {o} backfill={bf}"
-            bench.POLICIES[key] = lambda known=known, o=o, bf=bf, **kw: Scheduler(
-                policy=ClairvoyantPolicy(known, order=o, backfill=bf), **kw)
+            key = f"clairvoyant {o}"
+            bench.POLICIES[key] = lambda known=known, o=o, **kw: Scheduler(policy=ClairvoyantPolicy(known, order=o),
+                                                                          **kw)
             try:
                 c = bench.run_cell(w, key, requests=reqs)
             finally:
@@ -486,10 +399,10 @@ def clairvoyant_orders(names: Sequence[str] = SATURATING) -> list[str]:
 
 class _RankedPolicy(ClairvoyantPolicy):
     """The oracle's rule (victim: fewest computed tokens) with a fixed admission order: ``rank``
-    maps request id -> position, lowest first; ``backfill`` as in ``ClairvoyantPolicy``."""
+    maps request id -> position, lowest first."""
 
-    def __init__(self, known: dict[int, int], rank: dict[str, int], *, backfill: bool) -> None:
-        super().__init__(known, backfill=backfill)
+    def __init__(self, known: dict[int, int], rank: dict[str, int]) -> None:
+        super().__init__(known)
         self._rank = rank
 
     def add(self, seq: Any) -> None:
@@ -498,15 +411,14 @@ class _RankedPolicy(ClairvoyantPolicy):
     requeue = add
 
 
-def _ranked_cell(w: workloads.Workload, order: list[str], lengths: dict[str, int | None], *,
-                 backfill: bool) -> bench.Cell:
+def _ranked_cell(w: workloads.Workload, order: list[str], lengths: dict[str, int | None]) -> bench.Cell:
     """One run of ``w`` (fresh requests) under ``_RankedPolicy`` with admission ``order``
     (request ids, first admitted first); ``lengths``: request id -> true output tokens, for the
     policy's length table (empty: the policy reads none)."""
     reqs = w.build()
     known = {id(r): n for r in reqs if (n := lengths.get(r.request_id)) is not None}
     rank = {rid: i for i, rid in enumerate(order)}
-    bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy(known, rank, backfill=backfill), **kw)
+    bench.POLICIES["search"] = lambda **kw: Scheduler(policy=_RankedPolicy(known, rank), **kw)
     try:
         return bench.run_cell(w, "search", requests=reqs)
     finally:
@@ -515,27 +427,23 @@ def _ranked_cell(w: workloads.Workload, order: list[str], lengths: dict[str, int
 
 def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0) -> list[str]:
     """Seeded local search over fixed admission orders on one workload (see ``search`` above):
-    the fraction of the bound at the start (longest remaining work first, with and without
-    backfill; the search goes on from the better), after each tenth of the steps, and at the
-    end, with the TTFT p99 of the final order."""
+    the fraction of the bound at the start (longest remaining work first), after each tenth of
+    the steps, and at the end, with the TTFT p99 of the final order."""
     w = _workload(name)
     b = bench.throughput_upper_bound(w.build(), kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)
     base = w.build()
     lengths = dict(zip((r.request_id for r in base),
                        bench.output_lengths(base, kv_cap_blocks=w.kv_cap_blocks, eos_probability=w.eos_probability)))
 
-    def run(order: list[str], backfill: bool) -> tuple[float, float]:
-        c = _ranked_cell(w, order, lengths, backfill=backfill)
+    def run(order: list[str]) -> tuple[float, float]:
+        c = _ranked_cell(w, order, lengths)
         return bench.fraction(c, b), c.metrics["ttft_p99_s"]
 
     chunk = {r.request_id: -(-len(r.prompt) // bench.PREFILL_CHUNK_TOKENS) for r in base}
     order = sorted((rid for rid, n in lengths.items() if n is not None), key=lambda rid: -(chunk[rid] + lengths[rid]))
-    start = {bf: run(order, bf)[0] for bf in (False, True)}
-    backfill = start[True] > start[False]
-    best = start[backfill]
+    best = run(order)[0]
     rng = random.Random(seed)
-    lines = [f"| {name} | start: longest remaining work first | {start[False]:.4f} (backfill {start[True]:.4f}) |",
-             "|---|---|---|"]
+    lines = [f"| {name} | start: longest remaining work first | {best:.4f} |", "|---|---|---|"]
     for step in range(1, steps + 1):
         cand = order[:]
         i, j = rng.sample(range(len(cand)), 2)
@@ -543,31 +451,29 @@ def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0
             cand[i], cand[j] = cand[j], cand[i]
         else:
             cand.insert(j, cand.pop(i))
-        f = run(cand, backfill)[0]
+        f = run(cand)[0]
         if f >= best:
             best, order = f, cand
         if step % max(1, steps // 10) == 0:
             lines.append(f"| {name} | after {step} steps | {best:.4f} |")
-    f, ttft = run(order, backfill)
-    lines.append(f"| {name} | final order (backfill {backfill}) | {f:.4f}, TTFT p99 {ttft:.1f} s |")
+    f, ttft = run(order)
+    lines.append(f"| {name} | final order | {f:.4f}, TTFT p99 {ttft:.1f} s |")
     return lines
 
 
 #: The goal's TTFT limit: 10% over the best baseline's TTFT p99 on the same workload.
 TTFT_LIMIT = 1.10
-#: Drain-phase settings of ``--only ttft`` (share of the resident requests, pass cap).
-FRONTIER_SHARES = ((1, 2), (3, 4), (1, 1), (3, 2), (2, 1))
-FRONTIER_PASSES = (2, 8, 16)
+#: Advances of ``--only ttft``'s aged-LPT rule, seconds per remaining iteration (0 is arrival
+#: order within each user: the shipped VTC order).
+AGED_LPT_BETAS_S = (0.0, 0.002, 0.005, 0.01, 0.02)
 
 
-def drain_frontier(n_seeds: int = 8) -> list[str]:
-    """Online rules trading throughput for TTFT on ``n_seeds`` seeds of the A/B burst: Batch
-    with every drain share x pass cap of ``FRONTIER_SHARES`` x ``FRONTIER_PASSES``, then
-    ``AgedLPT`` with each of ``AGED_LPT_BETAS_S``. Per rule: mean fraction of the bound, TTFT
-    p99 over the best baseline's on the same seed (mean and max), the published seed's pair,
-    and on how many seeds both goals hold (>= 0.95 of the bound and TTFT p99 <= ``TTFT_LIMIT``
-    x the best baseline's)."""
-    saved = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
+def online_frontier(n_seeds: int = 8) -> list[str]:
+    """Online rules trading throughput for TTFT on ``n_seeds`` seeds of the A/B burst: Batch as
+    shipped, then ``AgedLPT`` with each of ``AGED_LPT_BETAS_S``. Per rule: mean fraction of the
+    bound, TTFT p99 over the best baseline's on the same seed (mean and max), the published
+    seed's pair, and on how many seeds both goals hold (>= 0.95 of the bound and TTFT p99 <=
+    ``TTFT_LIMIT`` x the best baseline's)."""
     cases = []
     for name, build in _seed_cases(n_seeds, names=("ab-burst",)):
         w = replace(_workload(name), build=build)
@@ -588,14 +494,7 @@ def drain_frontier(n_seeds: int = 8) -> list[str]:
         lines.append(f"| {rule} | {setting} | {f.mean():.4f} | {r.mean():.3f}x | {r.max():.2f}x | {pub} "
                      f"| {int(np.sum((f >= 0.95) & (r <= TTFT_LIMIT)))} of {len(got)} |")
 
-    try:
-        for share in FRONTIER_SHARES:
-            for passes in FRONTIER_PASSES:
-                policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = share, passes
-                shipped = " (shipped)" if (share, passes) == saved else ""
-                row("drain phase", f"share {share[0]}/{share[1]}, pass cap {passes}{shipped}", "Batch")
-    finally:
-        policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES = saved
+    row("Batch", "shipped", "Batch")
     for beta_s in AGED_LPT_BETAS_S:
         bench.POLICIES["aged"] = lambda beta_s=beta_s, **kw: Scheduler(policy=AgedLPT(beta_s), **kw)
         try:
@@ -605,25 +504,32 @@ def drain_frontier(n_seeds: int = 8) -> list[str]:
     return lines
 
 
-#: Advances of ``--only ttft``'s aged-LPT rule, seconds per remaining iteration.
-AGED_LPT_BETAS_S = (0.002, 0.005, 0.01, 0.02)
-
-
 class AgedLPT(VTCPolicy):
     """VTC whose users' queues are ordered by ``submitted_at - beta_s * remaining_iterations``
-    (prompt chunks + ``max_tokens`` left), always, not only in the drain phase: a request is
-    treated as if it had arrived ``beta_s`` seconds earlier per iteration it may still need.
-    ``beta_s = 0`` is arrival order; a large ``beta_s`` is longest first. A deployable rule
-    between the two (it reads only ``max_tokens``), for the trade-off table of ``--only ttft``."""
+    (prompt chunks + ``max_tokens`` left): a request is treated as if it had arrived ``beta_s``
+    seconds earlier per iteration it may still need. ``beta_s = 0`` is arrival order (the
+    shipped VTC); a large ``beta_s`` is longest first. A deployable rule between the two (it
+    reads only ``max_tokens``), for the trade-off table of ``--only ttft``. Across users the
+    VTC order is unchanged (among eligible users, the earliest-arrived queue head first)."""
 
-    def __init__(self, beta_s: float, **kwargs: Any) -> None:
+    def __init__(self, beta_s: float, *, prefill_chunk_tokens: int = bench.PREFILL_CHUNK_TOKENS,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.beta_s = beta_s
+        self.chunk_tokens = prefill_chunk_tokens
 
-    def _user_order(self, user: str) -> Any:
-        chunk = self._chunk_tokens
-        return iter(sorted(self._q.iter_user(user), key=lambda q: (
-            q.req.submitted_at - self.beta_s * policy.remaining_iterations(q, chunk), q.arrival_no)))
+    def _aged(self, seq: Any) -> tuple[float, int]:
+        return seq.req.submitted_at - self.beta_s * remaining_iterations(seq, self.chunk_tokens), seq.arrival_no
+
+    def add(self, seq: Any) -> None:
+        super().add(seq)  # appended to its user's queue (the user lifted if it was idle): moved into place
+        q = self._queues[seq.user_id]
+        q.pop()
+        insort(q, seq, key=self._aged)
+
+    def requeue(self, seq: Any) -> None:
+        super().requeue(seq)
+        self._queues[seq.user_id].sort(key=self._aged)
 
 
 def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0, last: int | None = None) -> list[str]:
@@ -632,7 +538,7 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
     workload. The limit is put on the largest TTFT, stricter than the p99 the goal reads. It
     starts from arrival order and keeps a change when the fraction of the bound does not drop and
     the largest TTFT stays within the limit. ``last``: only the last ``last`` positions of the
-    arrival order are permuted (the requests admitted in the drain). The policy reads no output
+    arrival order are permuted (the requests admitted last). The policy reads no output
     lengths (``_RankedPolicy`` with an empty length table: a fixed order, the fewest-computed
     victim), but each step reruns the workload and sees every TTFT, so the search finds what
     some schedule reaches with hindsight; it is not a policy.
@@ -648,7 +554,7 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
     base = w.build()
 
     def run(order: list[str]) -> tuple[float, float, float]:
-        c = _ranked_cell(w, order, {}, backfill=True)
+        c = _ranked_cell(w, order, {})
         return bench.fraction(c, b), float(c.ttft_s.max()), c.metrics["ttft_p99_s"]
 
     order = [r.request_id for r in base]  # arrival order
@@ -685,39 +591,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     todo = a.only or list(EXPERIMENTS)
     if "seeds" in todo:
         print(f"== seed spread ({a.seeds} seeds) ==", *seed_spread(a.seeds), sep="\n", flush=True)
-    if "sweep" in todo:
-        print("== drain share sweep ==", *drain_sweep(), sep="\n", flush=True)
     if "knobs" in todo:
-        print("== one knob at a time ==", *knobs(), sep="\n", flush=True)
+        print("== one mechanism off at a time ==", *knobs(), sep="\n", flush=True)
     if "l2" in todo:
         print("== L2 bin-packing bound against the area term ==", *l2_vs_area(), sep="\n", flush=True)
     if "lpt" in todo:
-        print("== longest max_tokens first with backfill ==", *lpt_backfill(), sep="\n", flush=True)
+        print("== longest max_tokens first ==", *lpt_max_tokens(), sep="\n", flush=True)
     if "victims" in todo:
         print("== victim rules over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
               *victim_rules(), sep="\n", flush=True)
-    if "backfill" in todo:
-        print("== backfill over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
-              *backfill_over_seeds(), sep="\n", flush=True)
-    if "easy" in todo:
-        print("== EASY backfilling over seeds and trace windows (mean fraction of the bound, TTFT p99 vs shipped) ==",
-              *easy_over_seeds(), sep="\n", flush=True)
     if "idle" in todo:
-        print("== idle KV blocks and scheduler CPU, with and without EASY backfilling ==", *idle_blocks(), sep="\n",
+        print("== idle KV blocks and scheduler CPU, Batch and FCFS-recompute ==", *idle_blocks(), sep="\n",
               flush=True)
     if "resume" in todo:
         print("== preempted decodes resuming first (fraction of the bound, TPOT p99, TTFT p99) ==",
               *resume_first(), sep="\n", flush=True)
-    if "drain" in todo:
-        print("== drain-phase variants on the A/B burst, 8 seeds ==", *drain_variants(), sep="\n", flush=True)
     if "search" in todo:
         print("== local search over admission orders (fraction of the bound) ==", *order_search(), sep="\n",
               flush=True)
     if "ttft" in todo:
         print("== the A/B burst: online rules over seeds, and an order search within the TTFT limit ==",
-              *drain_frontier(a.seeds), "", *ttft_search(), "", *ttft_search(last=30), sep="\n", flush=True)
+              *online_frontier(a.seeds), "", *ttft_search(), "", *ttft_search(last=30), sep="\n", flush=True)
     if "orders" in todo:
-        print("== clairvoyant list rules: order x backfill (fraction of the bound, TTFT p99) ==",
+        print("== clairvoyant list rules by admission order (fraction of the bound, TTFT p99) ==",
               *clairvoyant_orders(), sep="\n", flush=True)
     return 0
 

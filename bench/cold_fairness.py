@@ -22,8 +22,8 @@ Harness styles:
 
 Usage (from the project root; needs only the scheduler's own closure, stdlib + transitions)::
 
-    python bench/cold_fairness.py [--seeds 20] [--styles at_once,when_due] [--policies batch,fcfs,target]
-                                  [--target-ms 15] [--json]
+    python bench/cold_fairness.py [--seeds 20] [--styles at_once,when_due] [--policies batch,fcfs,no-isolation]
+                                  [--json]
 
 Prints, per style, one line per seed (B with A, B alone, ratio) and a summary line: median and
 worst ratio over the seeds and how many exceed 2.0 (the seed problem's limit). Takes about
@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STYLES = ("at_once", "when_due", "arrival")
-POLICIES = ("batch", "fcfs", "target")
+POLICIES = ("batch", "fcfs", "no-isolation")
 N_A, N_B, WINDOW_S = 100, 5, 1.0
 
 
@@ -52,7 +52,6 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
 
     sys.path.insert(0, str(ROOT))
     import scheduler
-    from batch.core.isolation import Isolation
     from batch.policies.policy import FCFSPolicy
     from inference_stub import Request
 
@@ -71,8 +70,8 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
         s = scheduler.Scheduler()
     elif policy == "fcfs":
         s = scheduler.Scheduler(policy=FCFSPolicy())
-    else:  # "target:MS"
-        s = scheduler.Scheduler(isolation=Isolation(iteration_target_s=float(policy.split(":")[1]) / 1e3))
+    else:  # "no-isolation": the VTC order alone
+        s = scheduler.Scheduler(isolation=False)
     if style == "at_once":
         for _, r in arrivals:
             s.submit(r)
@@ -128,7 +127,7 @@ def ratios(seeds: range, style: str, *, policy: str = "batch", echo: bool = Fals
         mixed = measure(seed, style, True, policy=policy)
         out.append(mixed / alone)
         if echo:
-            print(f"  {policy:5s} {style:8s} seed {seed:2d}  B with A {mixed * 1e3:7.1f} ms  "
+            print(f"  {policy:12s} {style:8s} seed {seed:2d}  B with A {mixed * 1e3:7.1f} ms  "
                   f"alone {alone * 1e3:6.1f} ms  ratio {mixed / alone:.2f}", flush=True)
     return out
 
@@ -138,10 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 (default 20)")
     p.add_argument("--styles", default="at_once,when_due", help=f"comma-separated, of {', '.join(STYLES)}")
     p.add_argument("--policies", default="batch", help="comma-separated, of batch (Scheduler() as it ships), "
-                   "fcfs (Scheduler(policy=FCFSPolicy()), the baseline) and target (Scheduler(isolation="
-                   "Isolation(iteration_target_s=--target-ms))); default batch")
-    p.add_argument("--target-ms", type=float, default=15.0, help="the iteration target of policy target, ms "
-                   "(default 15)")
+                   "fcfs (Scheduler(policy=FCFSPolicy()), the baseline) and no-isolation "
+                   "(Scheduler(isolation=False): the VTC order without TTFT isolation); default batch")
     p.add_argument("--json", action="store_true", help="also print the ratios as one JSON line")
     p.add_argument("--child", nargs=4, metavar=("SEED", "STYLE", "WITH_A", "POLICY"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -152,16 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in styles if s not in STYLES] + [q for q in policies if q not in POLICIES]
     if bad or a.seeds < 1:
         p.error(f"unknown style or policy {bad[0]!r}" if bad else "--seeds must be >= 1")
-    if not 0 < a.target_ms < float("inf"):
-        p.error("--target-ms must be a positive number")
     table: dict[str, list[float]] = {}
     summary = []
     for policy in policies:
         for style in styles:
-            rs = ratios(range(a.seeds), style, policy=f"target:{a.target_ms}" if policy == "target" else policy,
-                        echo=True)
+            rs = ratios(range(a.seeds), style, policy=policy, echo=True)
             table[f"{policy}/{style}"] = rs
-            summary.append(f"{policy:5s} {style:8s} median {statistics.median(rs):6.2f}  worst {max(rs):6.2f}  "
+            summary.append(f"{policy:12s} {style:8s} median {statistics.median(rs):6.2f}  worst {max(rs):6.2f}  "
                            f"over 1.5: {sum(r > 1.5 for r in rs):2d}/{len(rs)}  "
                            f"over 2.0: {sum(r > 2.0 for r in rs):2d}/{len(rs)}")
     print(f"\nB's median TTFT with A / alone, seeds 0..{a.seeds - 1}, each measurement in a fresh process:")

@@ -33,7 +33,8 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 import bench_fairness as bf  # noqa: E402
 import vllm_compare as vc  # noqa: E402
-from batch.policies.policy import FCFSPolicy, VTCPolicy  # noqa: E402
+from batch.policies.policy import FCFSPolicy  # noqa: E402
+from batch.policies.vtc import VTCPolicy  # noqa: E402
 from batch.sim import simulate  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from scheduler import Scheduler  # noqa: E402

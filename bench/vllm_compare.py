@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -115,6 +116,23 @@ def load_requests(path: str | os.PathLike) -> list[TraceRequest]:
     """The rows of a trace CSV, read by ``batch.sim.traces.load_trace`` (its ``user`` column kept)."""
     return [TraceRequest(r.request_id, r.user_id, float(r.submitted_at), len(r.prompt), r.max_tokens)
             for r in traces.load_trace(path)]
+
+
+def ab_trace(seed: int) -> list[TraceRequest]:
+    """The A/B burst of ``bench/cold_fairness.py`` for ``seed`` (same draws, same order): 100
+    requests of user A and 5 of user B, prompts 5..199 tokens, outputs 10..99, arrivals uniform
+    in one second, from ``random.Random(1000 + seed)``; sorted by arrival."""
+    rnd = random.Random(1000 + seed)
+    rows = []
+    for user, n in (("A", 100), ("B", 5)):
+        for i in range(n):
+            prompt = rnd.randint(5, 199)
+            for _ in range(prompt):
+                rnd.randint(1, 63)  # the prompt's ids: drawn to keep the sequence; the simulator ignores them
+            rows.append((f"{user}{i}", user, prompt, rnd.randint(10, 99)))
+    arrivals = [rnd.uniform(0.0, 1.0) for _ in rows]
+    return sorted((TraceRequest(rid, user, at, p, m) for (rid, user, p, m), at in zip(rows, arrivals)),
+                  key=lambda r: r.arrival_s)
 
 
 def without_user(reqs: Sequence[TraceRequest], user: str) -> list[TraceRequest]:
@@ -537,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for tol in a.tolerance:
         if tol < 0:
             p.error(f"--tolerance must be >= 0, got {tol}")
-        from batch.policies.policy import VTCPolicy  # noqa: PLC0415
+        from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
 
         def run_tol(reqs, tol=tol, **kw):
             return run_batch(reqs, factory=lambda **k: Scheduler(policy=VTCPolicy(tolerance_tokens=tol), **k),

@@ -55,19 +55,39 @@ def charged_counter(counter: Int, units: Int, weight: Int) -> Int:
 TOLERANCE_TOKENS = 0
 
 
-def lifted_counter(own: Int, min_backlogged: Int, others_backlogged: Bool, tolerance: Int) -> Int:
-    """A user's counter when its waiting queue goes from empty to non-empty.
+def lift_floor(floor: Int, min_others: Int, others_backlogged: Bool, tolerance: Int) -> Int:
+    """The lift floor once a user becomes backlogged: ``max(floor, m - tolerance - 1)`` with ``m``
+    the least counter among the other backlogged users (or, when none is, among the other users
+    with a request resident), unchanged when there is none.
 
-    With other users backlogged it becomes ``max(own, min over their counters - tolerance - 1)``:
-    idle time banks at most ``tolerance + 1`` counter units of credit, and a returning user
-    starts one unit (1/``COUNTER_SCALE`` of a weighted token) below the band of the least
-    backlogged counter, so every user in that band is past its own band (``vtc_eligible``) and
-    is passed over until the newcomer has been served: it does not queue behind their older
-    requests (some of which, preempted decodes, cost no prompt charge to admit). With none
-    backlogged it keeps its own. ``tolerance = 0`` is the VTC paper's lift (artifact
-    ``VTCReqQueue.append``) with the tie going to the newcomer.
+    The floor only grows, and every backlogged counter is at or above it (a new one is lifted to
+    it, ``lifted_counter``), so a returning user starts one unit (1/``COUNTER_SCALE`` of a
+    weighted token) below the band of the least backlogged counter (``vtc_eligible``), or at the
+    floor when that is higher: idle time banks no credit. With ``tolerance = 0`` and others
+    backlogged this is the VTC paper's lift (artifact ``VTCReqQueue.append``), ties to the
+    newcomer. Because the floor does not depend on who is backlogged at the return, a user idle
+    at or below it can be forgotten (``forgettable``): its return restores the same counter.
     """
-    return If(others_backlogged, Max(own, min_backlogged - tolerance - 1), own)
+    return If(others_backlogged, Max(floor, min_others - tolerance - 1), floor)
+
+
+def lifted_counter(own: Int, floor: Int) -> Int:
+    """A user's counter when its waiting queue goes from empty to non-empty: ``max(own, floor)``
+    (a forgotten user's ``own`` reads as the floor)."""
+    return Max(own, floor)
+
+
+def idle_floor(floor: Int, max_counter: Int) -> Int:
+    """The floor once nothing is waiting or resident: ``max(floor, the largest counter)``. With no
+    user active the history is over: everyone starts again level, and every counter is forgettable.
+    """
+    return Max(floor, max_counter)
+
+
+def forgettable(counter: Int, floor: Int) -> Bool:
+    """An idle user's counter carries no information: at or below the floor, which its return
+    would lift it to anyway (``lifted_counter``), so it may be dropped and read as the floor."""
+    return counter <= floor
 
 
 def vtc_eligible(local_counter: Int, least_counter: Int, tolerance: Int) -> Bool:
@@ -107,56 +127,28 @@ def vtc_service_gap_bound(prompt_price: Int, max_prompt_tokens: Int, output_pric
 # ---------------------------------------------------------------- share of the batch
 
 
-def over_served(count: Int, weight: Int, total_count: Int, total_weight: Int) -> Bool:
-    """The user holds more than its weighted fair share of the batch: ``count/total > weight/W``.
+def within_share(count: Int, weight: Int, total_count: Int, total_weight: Int, num: Int = 1, den: Int = 1) -> Bool:
+    """The weighted fair share, the one rule every share test uses: a user holding ``count`` of
+    ``total_count`` (requests or blocks) is within ``num/den`` of its share, ``count / total <=
+    (num/den) * weight / W``, with ``W`` the weights of the users holding them.
 
-    ``count`` is the user's resident requests, ``total_count`` all resident requests,
-    ``total_weight`` the weights of the users holding them.
+    ``num/den = 1``: not over-served (room is made by preempting users beyond it); ``1/2`` with
+    ``count`` the user's demand (resident + waiting requests): a light user, whose requests
+    prefilling toward their first token are isolated (``batch.core.step``).
     """
-    return count * total_weight > weight * total_count
-
-
-def protected_next(was_protected: Bool, demand: Int, weight: Int, total_count: Int, total_weight: Int,
-                   enter_num: Int = 1, enter_den: Int = 2) -> Bool:
-    """Hysteresis of TTFT protection for a user with a request prefilling toward its first token.
-
-    ``demand`` is the user's resident plus waiting requests; ``total_count`` the resident
-    requests of the batch, ``total_weight`` the weights of the users holding them. Enter when
-    the user's whole demand is at most ``enter_num/enter_den`` of its weighted fair share of
-    the batch (a light user, hence also below its share now); leave when its demand reaches
-    its fair share; in between keep the previous state. Ranked by share of the batch, not by
-    counter: right after the lift, a user's own first prompt charge can put its counter above
-    the dominant user's (``docs/fairness.md``). A user whose demand exceeds its share (every
-    user of an overload) is never protected: VTC order alone gives it its share.
-    """
-    enter = demand * total_weight * enter_den <= enter_num * weight * total_count
-    leave = demand * total_weight >= weight * total_count
-    return Or(enter, And(Not(leave), was_protected))
-
-
-def light_user(count: Int, weight: Int, total_count: Int, total_weight: Int,
-               num: Int = 1, den: Int = 4) -> Bool:
-    """The user holds less than ``num/den`` of its weighted fair share of the batch:
-    ``count/total < (num/den) * weight/W`` (``count``, ``total_count``: KV blocks held).
-
-    Such a user is shielded from growth preemption (``victim_before``): a light user, e.g.
-    user B of the A/B burst, keeps its few requests while a heavy one holds the cache.
-    """
-    return count * total_weight * den < num * weight * total_count
+    return count * total_weight * den <= num * weight * total_count
 
 
 def victim_before(light_a: Bool, preempts_a: Int, computed_a: Int, admit_a: Int,
                   light_b: Bool, preempts_b: Int, computed_b: Int, admit_b: Int) -> Bool:
     """Request a is preempted before request b.
 
-    A request of a user that is not light (``light_user`` by KV blocks: holding at least a
-    quarter of its weighted fair share) goes first; among equals, the one preempted fewer
-    times (``preempts_*``: spreading preemptions keeps requests from being pinned, and a
-    pinned request holds its worst-case blocks); then the one with the fewest computed tokens
-    (``computed_*``: the recompute it loses); then the latest admitted (``admit_*``, the
-    admission sequence number). The cost order is close to SGLang's decode retraction, which
-    retracts the request with the fewest output tokens first (``retract_decode``); vLLM V1
-    takes the latest admitted.
+    A request of a light user (``within_share`` by KV blocks at 1/4: a user holding at most a
+    quarter of its weighted fair share of the blocks, user B of the A/B burst) goes last; among
+    equals, the one preempted fewer times (spreading preemptions keeps requests from being
+    pinned), then the one with the fewest computed tokens (the recompute lost), then the latest
+    admitted (``admit_*``: the admission sequence number). Close to SGLang's decode retraction
+    (fewest output tokens first); vLLM V1 takes the latest admitted.
     """
     return Or(And(Not(light_a), light_b),
               And(light_a == light_b,
@@ -207,36 +199,15 @@ def can_admit(free_blocks: Int, need_blocks: Int, headroom_blocks: Int) -> Bool:
 # ---------------------------------------------------------------- no starvation
 
 
-def may_backfill_past(blocked_ticks: Int, aging_ticks: Int, backfill: Bool) -> Bool:
-    """Admission may try later candidates past a request that does not fit."""
-    return And(backfill, blocked_ticks < aging_ticks)
-
-
 def reserved_after(blocked_ticks: Int, aging_ticks: Int) -> Bool:
     """A request that was the first non-fitting candidate in ``aging_ticks`` ticks gets the
-    reservation: it is tried first, and until it fits nothing else is admitted except past
-    it under ``may_pass_reservation``."""
+    reservation: it is tried first (before resume-first trials, which it turns off), and until
+    it fits nothing else is admitted."""
     return blocked_ticks >= aging_ticks
 
 
-def may_pass_reservation(candidate_worst_iters: Int, resident_worst_iters_max: Int) -> Bool:
-    """Another request may be admitted past the reservation holder (it does not fit yet) only if
-    its worst-case remaining iterations (prompt chunks plus ``max_tokens``) are strictly fewer
-    than the largest of the resident requests'.
-
-    Then the largest worst-case remaining work among resident requests never grows while the
-    reservation waits, and it shrinks whenever the requests holding it run, so the resident
-    set still drains within ``ticks_to_drain_bound`` (EASY backfilling's rule, Lifka 1995:
-    a job may pass the reserved head only if it ends before the head's start; the scheduler
-    also checks the head's start against its worst-case block profile, ``backfill.py``).
-    """
-    return candidate_worst_iters < resident_worst_iters_max
-
-
 def ticks_to_drain_bound(max_sit_out_ticks: Int, max_work_ticks: Int) -> Int:
-    """Ticks within which every resident request finishes or is preempted, when none is admitted
-    or only requests with less worst-case work than the most a resident still needs
-    (``may_pass_reservation``).
+    """Ticks within which every resident request finishes or is preempted, when none is admitted.
 
     ``max_work_ticks`` bounds the iterations a resident request still needs (its prefill
     chunks plus ``max_tokens``); it runs in at least one of every ``K + 1`` consecutive ticks.
@@ -244,13 +215,16 @@ def ticks_to_drain_bound(max_sit_out_ticks: Int, max_work_ticks: Int) -> Int:
     return (max_sit_out_ticks + 1) * max_work_ticks
 
 
-def admission_wait_bound(aging_ticks: Int, max_sit_out_ticks: Int, max_work_ticks: Int) -> Int:
-    """Ticks an admissible request waits at the front of the admission order, at most.
-
-    ``aging_ticks`` ticks as the first non-fitting candidate, then the reservation: the
-    resident requests drain within ``ticks_to_drain_bound`` and it is admitted on the next.
+def admission_wait_bound(aging_ticks: Int, max_work_ticks: Int) -> Int:
+    """Counted ticks an admissible request waits at the front of the admission order, at most:
+    ``T + L + 1``. Counted: ticks that are not isolated and, before its reservation, ran admission
+    (no growth preemption). In each such tick it is admitted, or is the first candidate that does
+    not fit (it ages: at most ``T``), then it holds the reservation while the residents drain (each
+    runs in every counted tick and needs at most ``L`` more) and is admitted on the next. Isolated
+    ticks come at most ``K`` in a row (``sit_out_allowed``); growth preemptions each remove a
+    resident.
     """
-    return aging_ticks + ticks_to_drain_bound(max_sit_out_ticks, max_work_ticks) + 1
+    return aging_ticks + max_work_ticks + 1
 
 
 # ---------------------------------------------------------------- TTFT isolation
@@ -264,34 +238,3 @@ def sit_out_allowed(streak_ticks: Int, max_sit_out_ticks: Int) -> Bool:
 def next_streak(streak_ticks: Int, isolated: Bool) -> Int:
     """Consecutive isolated iterations after this one."""
     return If(isolated, streak_ticks + 1, 0)
-
-
-def isolation_pays(full_us: Int, isolated_us: Int, speedup_num: Int, speedup_den: Int) -> Bool:
-    """The learned latency model predicts the isolated iteration at least ``num/den`` times faster."""
-    return full_us * speedup_den >= speedup_num * isolated_us
-
-
-def may_trim(sat_out_run: Int, max_sit_out_ticks: Int) -> Bool:
-    """A request may sit out to bring an iteration under the latency target (``Isolation``'s
-    ``iteration_target_s``) while it has sat out fewer than K iterations in a row (isolated or
-    trimmed ones; ``sat_out_run``)."""
-    return sat_out_run < max_sit_out_ticks
-
-
-def streak_after(streak_ticks: Int, isolated: Bool, trimmed: Bool) -> Int:
-    """The isolation streak after an iteration: ``next_streak``; a trimmed iteration is not
-    isolated, so it ends the streak like a full one."""
-    return next_streak(streak_ticks, And(isolated, Not(trimmed)))
-
-
-def target_sit_out_bound(max_sit_out_ticks: Int) -> Int:
-    """Most consecutive iterations one request sits out with an iteration target: ``2K`` (fewer
-    than K before a trimmed one, ``may_trim``, then at most K isolated ones before the next full
-    or trimmed iteration, in which it cannot be cut again; ``spec.verify_fairness``:
-    ``sit_out_bound_with_target``)."""
-    return 2 * max_sit_out_ticks
-
-
-def over_target(predicted_us: Int, target_us: Int) -> Bool:
-    """The learned latency model predicts the iteration longer than the target, microseconds."""
-    return predicted_us > target_us

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
+from spec import fairness_rules as fr
 from spec import lifecycle as lc
 from spec.logic import And, Implies, Not, Or, Sum
 from spec.rules import blocks_for, kv_within_cap, ledger_consistent, resident_covered
@@ -262,19 +263,19 @@ def _row(seq: Any) -> tuple:
 
 
 def _summary(sched: Any, tick_no: int | None) -> dict[str, Any]:
-    return {"tick": tick_no, "cap_blocks": sched.kv_cap_blocks, "free_blocks": sched.pool.num_free,
+    st = sched.state
+    return {"tick": tick_no, "cap_blocks": sched.config.kv_cap_blocks, "free_blocks": st.pool.num_free,
             "columns": "(request_id, state, prompt, generated, computed, blocks, max_tokens)",
-            "running": [_row(s) for s in sched.running],
-            "waiting": [_row(s) for s in sched.policy.admission_order()]}
+            "running": [_row(s) for s in st.running],
+            "waiting": [_row(s) for s in st.by_obj.values() if s.state in lc.WAITING_STATES]}
 
 
 def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None = None) -> None:
     """Evaluate every state invariant against a live ``Scheduler``; valid at any idle point.
 
     Args:
-        sched: a ``scheduler.Scheduler`` (reads its pool, running list, policy queue and
-            in-flight records; changes nothing).
-        finished: scheduler records (``_Seq``) that finished in the last tick.
+        sched: a ``scheduler.Scheduler`` (reads its state and the policy's queue; changes nothing).
+        finished: scheduler records that finished in the last tick.
         tick_no: for the report.
 
     Raises:
@@ -283,24 +284,39 @@ def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None
     def fail(prop: str, detail: str) -> None:
         raise InvariantViolation(prop, detail, _summary(sched, tick_no))
 
-    cap, B = sched.kv_cap_blocks, sched.block_tokens
-    used = sched.pool.num_used
-    held = [len(s.block_table) for s in sched.running]
+    st, cfg = sched.state, sched.config
+    cap, B = cfg.kv_cap_blocks, cfg.block_tokens
+    used = st.pool.num_used
+    held = [len(s.block_table) for s in st.running]
+    if cfg.prefix_caching:  # a block shared by several block tables is one block (kv_used_distinct)
+        held = [len({b for s in st.running for b in s.block_table})]
     if not kv_within_cap(used, cap):
         fail("kv_within_cap", f"{used} blocks in use, cap {cap}")
     if not kv_used_is_sum_held(used, held):
         fail("kv_used_is_sum_held", f"{used} blocks in use, resident requests hold {sum(held)}")
-    if not ledger_consistent(sched.pool.num_free, held, cap):
-        fail("ledger_consistent", f"free {sched.pool.num_free} + held {sum(held)} != cap {cap}")
-    waiting = list(sched.policy.admission_order())
+    if not ledger_consistent(st.pool.num_free, held, cap):
+        fail("ledger_consistent", f"free {st.pool.num_free} + held {sum(held)} != cap {cap}")
+    try:
+        st.pool.check([s.block_table for s in st.running])
+    except Exception as e:  # the pool's own ledger: a block free and held, or held twice
+        fail("ledger_consistent", str(e))
+    if cfg.prefix_caching:  # a cached block holds computed KV: each holder has computed all of it
+        for s in st.running:
+            for i, b in enumerate(s.block_table):
+                if b in st.pool.key_of and s.num_computed_tokens < (i + 1) * B:
+                    fail("cached_blocks_computed", f"{s.request_id}: block {i} ({b}) is cached but only "
+                                                   f"{s.num_computed_tokens} of its tokens are computed")
+    waiting = list(sched.policy.order())
+    if len(waiting) != len(sched.policy):
+        fail("exactly_one_state", f"the policy orders {len(waiting)} requests but holds {len(sched.policy)}")
     in_waiting = Counter(id(s) for s in waiting)
-    in_running = Counter(id(s) for s in sched.running)
-    records = list(sched._by_obj.values())
+    in_running = Counter(id(s) for s in st.running)
+    records = list(st.by_obj.values())
     known = {id(s) for s in records}
-    for s in (*waiting, *sched.running):
+    for s in (*waiting, *st.running):
         if id(s) not in known:
             fail("exactly_one_state", f"{s.request_id}: queued or running but not in flight ({s.state})")
-    eos = sched.eos_token_id
+    eos = cfg.eos_token_id
     for s in (*records, *finished):
         final = 1 if s.state in lc.FINAL_STATES else 0
         w, r = in_waiting[id(s)], in_running[id(s)]
@@ -310,12 +326,11 @@ def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None
         g = len(s.req.generated)
         if not state_agrees(STATE_CODE[s.state], w, r, g, s.num_preemptions):
             fail("state_agrees", f"{s.request_id}: state {s.state} but {w}x waiting, {r}x running, g={g}")
-        _check_request(fail, s, eos, B, sched.max_model_len_tokens)
-    for kept, rows in (("_resident_by_user", sched.running), ("_waiting_by_user", waiting)):
-        counts = getattr(sched, kept, None)
-        if counts is not None and not user_counts_agree(counts, Counter(s.user_id for s in rows)):
-            fail("user_counts_agree", f"{kept} {dict(counts)}, the {'running list' if 'res' in kept else 'queue'} "
-                                      f"has {dict(Counter(s.user_id for s in rows))}")
+        _check_request(fail, s, eos, B, cfg.max_model_len_tokens)
+    for name, counts, rows in (("resident", st.resident_by_user, st.running), ("waiting", st.waiting_by_user, waiting)):
+        if not user_counts_agree(counts, Counter(s.user_id for s in rows)):
+            fail("user_counts_agree", f"{name} counts {dict(counts)}, the {name} requests' users "
+                                      f"{dict(Counter(s.user_id for s in rows))}")
 
 
 def _check_request(fail: Callable[[str, str], None], s: Any, eos: int | None, B: int, max_len: int) -> None:
@@ -345,62 +360,122 @@ def _check_request(fail: Callable[[str, str], None], s: Any, eos: int | None, B:
 
 
 class InvariantChecker:
-    """Runtime checking for ``Scheduler(check_invariants=True)``: every spec invariant after every tick.
+    """Runtime checking for ``Scheduler(check_invariants=True)``, around every tick:
 
-    Besides the state invariants (``check_state``) it checks the iteration itself: one forward
-    per tick, each chunk within ``prefill_chunk_tokens``, the token budget, the batch's KV by
-    ``kv_blocks_for`` as ``forward`` saw it, one token per request per tick. For that it keeps
-    ``len(generated)`` of every in-flight request from the previous tick (O(requests) memory;
-    O(requests) time per tick).
+    * before the blocks are committed: the plan fits the free blocks (``plan_within_free``) and
+      is the plan the rules give (``spec.reference.reference_plan``, for ``FCFSPolicy`` and
+      ``VTCPolicy`` with at most ``max_requests`` in flight; others are counted in ``skipped``);
+    * after the tick: one forward, each chunk within the limit, the budget, the batch's KV as
+      ``forward`` saw it, one token per request, every state invariant (``check_state``), the
+      tick as a step of the proved model (``spec.refinement``), and the state the rules leave
+      (``spec.reference.reference_apply``): each request, the queue, VTC's counters and floor,
+      the reservation, the isolation streak, and the timestamps and counts of the metrics. A
+      tick during whose ``forward`` a request was submitted or aborted (another thread, or
+      ``forward`` itself) is not one tick alone: it is not compared (counted in ``skipped``).
     """
 
-    __slots__ = ("ticks", "forward_calls", "_gen_before", "validator")
-
-    def __init__(self) -> None:
+    def __init__(self, max_requests: int = 400) -> None:
         self.ticks = 0
         self.forward_calls = 0
+        self.max_requests = max_requests
+        self.checked = 0
+        self.skipped = 0
         self._gen_before: dict[Any, int] = {}  # record -> tokens; keyed by the object: an id() is reused
+        self._snap: Any = None
+        self._ref: Any = None
+        self._stats_before: tuple = ()
+        self._outside: tuple = ()  # (arrivals, aborts) at the start of the tick
         from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
 
         self.validator = TraceValidator()
 
     def before_tick(self, sched: Any) -> None:
-        """Called at the start of every tick (before ``schedule()``): the trace validator's snapshot."""
+        """At the start of every tick (before ``schedule()``): the snapshots, and the policy's
+        victim choice watched (``victim_candidates``)."""
+        from spec import reference  # noqa: PLC0415
+
+        p = sched.policy
+        vars(p)["_checked_by"] = sched  # the scheduler ticking with this policy now
+        if "victim" not in vars(p):  # once per policy object: every candidate offered must be preemptible
+            choose = p.victim
+
+            def victim(cands: Sequence[Any]) -> Any:
+                ticking = vars(p)["_checked_by"]
+                cfg, state = ticking.config, ticking.state
+                for q in cands:
+                    if q.pinned or not fr.may_preempt(q.num_preemptions, cfg.max_preemptions, q.admit_tick,
+                                                      state.tick_no):
+                        raise InvariantViolation("victim_candidates", f"{q.request_id} offered as a victim (pinned "
+                                                 f"{q.pinned}, preempted {q.num_preemptions} times, admitted at tick "
+                                                 f"{q.admit_tick}, now {state.tick_no})", _summary(ticking, None))
+                return choose(cands)
+            p.victim = victim
+
         self.validator.before_tick(sched)
+        modelled = getattr(type(sched), "reference_models", True)  # a subclass that plans otherwise opts out
+        self._snap = snapshot(sched) if modelled and len(sched.state.by_obj) <= self.max_requests else None
+        self._ref = None
+        s = sched.state.stats
+        self._stats_before = (s.ticks, s.nonempty_ticks, s.preemptions, len(s.e2e_s), len(s.itl_s))
+        self._outside = (sched.state.arrivals, s.finish_reasons["abort"])
+        if self._snap is None:
+            self.skipped += 1
+        else:
+            self._ref = reference.reference_plan(self._snap)
 
     def before_commit(self, sched: Any, plan: Any) -> None:
-        """Called after ``schedule()``, before its blocks are committed: ``plan_within_free``.
+        """After ``schedule()``, before its blocks are committed: ``plan_within_free`` and the
+        reference plan (nothing has changed yet: the tick is not applied).
 
         Raises:
-            InvariantViolation: the plan grants more blocks than are free once its victims' are
-                freed (nothing has changed yet: the tick is not applied).
+            InvariantViolation: naming the property.
         """
-        granted = sum(s.new_blocks for s in plan.batch)
+        granted = sum(plan.new_blocks)
         freed = sum(len(v.block_table) for v in plan.preempted)
-        if not plan_within_free(granted, sched.pool.num_free, freed):
-            raise InvariantViolation("plan_within_free", f"plan grants {granted} blocks; {sched.pool.num_free} free, "
+        st = sched.state
+        if sched.config.prefix_caching:  # shared blocks: freed when the last holder goes; a hit on a
+            refs = st.pool.refs            # block nobody else holds takes a free one
+            drop = Counter(b for v in plan.preempted for b in v.block_table)
+            freed = sum(1 for b in drop if refs[b] - drop[b] == 0)
+            granted += sum(1 for b in {b for hs in plan.hits.values() for b in hs} if refs[b] - drop[b] == 0)
+        if not plan_within_free(granted, st.pool.num_free, freed):
+            raise InvariantViolation("plan_within_free", f"plan grants {granted} blocks; {st.pool.num_free} free, "
                                      f"its victims free {freed}", _summary(sched, self.ticks))
+        ref = self._ref
+        if ref is None:
+            return
+        got = ([(e.seq, e.num_new_tokens, e.new_blocks, e.admitted) for e in plan.batch], list(plan.preempted),
+               list(plan.sat_out), plan.blocked, plan.admission_stop, plan.isolated)
+        want = (ref.batch, ref.preempted, ref.sat_out, ref.blocked, ref.stop, ref.isolated)
+        names = ("batch", "preempted", "sat_out", "blocked", "admission_stop", "isolated")
+        for name, g, w in zip(names, got, want):
+            if not _same(g, w):
+                raise InvariantViolation("reference_plan", f"{name}: the rules give {_show(w)}, the scheduler "
+                                         f"planned {_show(g)}", _summary(sched, self.ticks))
 
-    def count_forward(self, backend: Callable[[list], Any]) -> Callable[[list], Any]:
-        """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``).
-
-        Called once per tick that has a batch; restarts the count, so a tick whose ``forward``
-        raised (and was rolled back) does not count against its retry.
-        """
+    def count_forward(self, execute_model: Any, backend: Any) -> tuple[Any, Any]:
+        """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``);
+        restarts the count, so a tick whose ``forward`` raised does not count against its retry."""
         self.forward_calls = 0
 
-        def counted(batch: list) -> Any:
-            self.forward_calls += 1
-            return backend(batch)
-        return counted
+        def counted(f: Any) -> Any:
+            if f is None:
+                return None
 
-    def after_tick(self, sched: Any, plan: Any, finished: Sequence[Any]) -> None:
-        """Check everything after ``sched.tick()`` applied ``plan``.
+            def call(batch: list) -> Any:
+                self.forward_calls += 1
+                return f(batch)
+            return call
+        return counted(execute_model), counted(backend)
+
+    def after_tick(self, sched: Any, plan: Any, finished: Sequence[Any], tokens: Sequence[int] = (),
+                   now_s: float | None = None) -> None:
+        """Check everything after ``sched.tick()`` applied ``plan`` (see the class docstring).
 
         Args:
-            sched: the scheduler (its lock held by the caller).
-            plan: the ``SchedulePlan`` the tick ran.
-            finished: the ``Request`` objects the tick returned.
+            sched: the scheduler (its lock held by the caller). plan: the ``Plan`` it ran.
+            finished: the ``Request`` objects the tick returned. tokens: what ``forward`` returned.
+            now_s: the clock reading the tick stamped its tokens and finishes with.
 
         Raises:
             InvariantViolation: naming the violated property and the state.
@@ -408,45 +483,151 @@ class InvariantChecker:
         tick_no, calls = self.ticks, self.forward_calls
         self.ticks += 1
         self.forward_calls = 0
+        st, cfg = sched.state, sched.config
         before = self._gen_before  # the next tick compares with now, even if this check raises
-        self._gen_before = {s: len(s.req.generated) for s in sched._by_obj.values()}
+        self._gen_before = {s: len(s.req.generated) for s in st.by_obj.values()}
 
         def fail(prop: str, detail: str) -> None:
             raise InvariantViolation(prop, detail, _summary(sched, tick_no))
 
-        if not one_forward_per_tick(calls):
+        if not one_forward_per_tick(calls if plan.seqs else 1):
             fail("one_forward_per_tick", f"forward called {calls} times")
-        batch = [s.seq for s in plan.batch]
+        batch = list(plan.seqs)
         by_req = {id(s.req): s for s in batch}
         done = [by_req[id(r)] for r in finished if id(r) in by_req]
         if len(done) != len(finished):
             fail("exactly_one_state", "tick returned a request that was not in its batch")
-        for s in plan.batch:
-            if not chunk_within_limit(s.num_new_tokens, sched.prefill_chunk_tokens):
-                fail("chunk_within_limit", f"{s.seq.request_id}: {s.num_new_tokens} tokens in one iteration, "
-                                           f"chunk {sched.prefill_chunk_tokens}")
-        new_tokens = [s.num_new_tokens for s in plan.batch]
-        if not batch_within_budget(new_tokens, sched.token_budget_tokens):
-            fail("batch_within_budget", f"{plan.num_batched_tokens} tokens, budget {sched.token_budget_tokens}")
-        if plan.num_batched_tokens != sum(new_tokens):  # the plan counts them from the budget it spent
-            fail("batch_within_budget", f"plan says {plan.num_batched_tokens} tokens, its batch has {sum(new_tokens)}")
+        for s, k in zip(plan.seqs, plan.num_new_tokens):
+            if not chunk_within_limit(k, cfg.prefill_chunk_tokens):
+                fail("chunk_within_limit", f"{s.request_id}: {k} tokens in one iteration, "
+                                           f"chunk {cfg.prefill_chunk_tokens}")
+        if not batch_within_budget(list(plan.num_new_tokens), cfg.token_budget_tokens):
+            fail("batch_within_budget", f"{plan.num_batched_tokens} tokens, budget {cfg.token_budget_tokens}")
         in_batch = {id(s) for s in batch}
         kv_at_forward = []
-        for s in (*sched._by_obj.values(), *done):
+        for s in (*st.by_obj.values(), *done):
             delta = len(s.req.generated) - before.get(s, 0)
             if not one_token_per_tick(delta, id(s) in in_batch):
                 fail("one_token_per_tick", f"{s.request_id}: {delta} tokens this tick, in batch: {id(s) in in_batch}")
             if id(s) in in_batch:
-                kv_at_forward.append(blocks_for(s.num_tokens - delta, sched.block_tokens))
+                kv_at_forward.append(blocks_for(s.num_tokens - delta, cfg.block_tokens))
         if len(kv_at_forward) != len(batch):
             fail("exactly_one_state", "a request in the batch is neither in flight nor finished")
-        if not batch_kv_within_cap(kv_at_forward, sched.kv_cap_blocks):
+        if cfg.prefix_caching:  # shared blocks count once: the cap is over distinct physical blocks
+            kv_at_forward = [st.pool.num_used]
+        if not batch_kv_within_cap(kv_at_forward, cfg.kv_cap_blocks):
             fail("batch_kv_within_cap", f"batch of {len(batch)} holds {sum(kv_at_forward)} blocks by "
-                                        f"kv_blocks_for, cap {sched.kv_cap_blocks}")
+                                        f"kv_blocks_for, cap {cfg.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
+        if self._snap is not None and self._ref is not None:
+            if (st.arrivals, st.stats.finish_reasons["abort"]) != self._outside:
+                self.skipped += 1  # submitted or aborted while forward ran: not the reference's tick
+            else:
+                self._check_reference(sched, plan, tokens, now_s, fail)
+                self.checked += 1
         from spec.refinement import RefinementError  # noqa: PLC0415 - spec.refinement imports this module
 
         try:
             self.validator.after_tick(sched, plan, {s: s.finish_reason for s in done})
         except RefinementError as e:
             fail("refines_model_tick", str(e))
+
+    def _check_reference(self, sched: Any, plan: Any, tokens: Sequence[int], now_s: float | None,
+                         fail: Callable[[str, str], None]) -> None:
+        """The state the tick left against ``reference_apply`` (``reference_state``)."""
+        from spec import reference  # noqa: PLC0415
+
+        snap, st = self._snap, sched.state
+        want = reference.reference_apply(snap, self._ref, tokens)
+        for key, r in want.reqs.items():
+            got = reference.req_of(key)
+            if got != r:
+                fail("reference_state", f"{key.request_id}: the rules leave {_diff(r, got)}")
+        if want.reserved is not st.reserved:
+            fail("reference_state", f"reservation: the rules give {_show(want.reserved)}, the scheduler "
+                                    f"{_show(st.reserved)}")
+        if want.streak != st.streak or want.admissions != st.admissions or st.tick_no != snap.tick + 1:
+            fail("reference_state", f"streak/admissions/tick: the rules give {want.streak}/{want.admissions}/"
+                                    f"{snap.tick + 1}, the scheduler {st.streak}/{st.admissions}/{st.tick_no}")
+        p = sched.policy
+        if snap.policy == "fcfs" and not _same(list(p.order()), want.queue):
+            fail("reference_state", f"FCFS queue: the rules give {_show(want.queue)}, the policy "
+                                    f"{_show(list(p.order()))}")
+        if snap.policy == "vtc" and (dict(p._counter) != want.counters or p.floor != want.floor):  # noqa: SLF001
+            fail("reference_state", f"VTC counters/floor: the rules give {want.counters}/{want.floor}, the "
+                                    f"policy {dict(p._counter)}/{p.floor}")  # noqa: SLF001
+        if now_s is not None:
+            for key in want.first_token:
+                if not _same_time(key.req.started_at, now_s):
+                    fail("reference_timestamps", f"{key.request_id}: first token at {now_s}, started_at "
+                                                 f"{key.req.started_at}")
+            for key in want.produced:
+                if not _same_time(key.last_token_s, now_s):
+                    fail("reference_timestamps", f"{key.request_id}: token at {now_s}, last_token_s {key.last_token_s}")
+            for key, why in want.finished:
+                if not _same_time(key.req.completed_at, now_s) or key.finish_reason != why:
+                    fail("reference_timestamps", f"{key.request_id}: finished ({why}) at {now_s}, completed_at "
+                                                 f"{key.req.completed_at} ({key.finish_reason})")
+        ticks, nonempty, pre, n_e2e, n_itl = self._stats_before
+        s = st.stats
+        n_fin = len(want.finished)
+        itl = sum(1 for k in want.produced if k not in want.first_token) if s.record_itl else 0
+        got_c = (s.ticks - ticks, s.nonempty_ticks - nonempty, s.preemptions - pre, len(s.e2e_s) - n_e2e,
+                 len(s.itl_s) - n_itl)
+        want_c = (1, 1 if want.produced or self._ref.batch else 0, len(self._ref.preempted), n_fin, itl)
+        if got_c != want_c:
+            fail("reference_metrics", f"(ticks, non-empty ticks, preemptions, completions, ITL gaps) this tick: the "
+                                      f"rules give {want_c}, the recorder {got_c}")
+        for (key, _), e2e in zip(want.finished, list(s.e2e_s)[len(s.e2e_s) - n_fin:]):
+            if not _same_time(e2e, key.req.completed_at - key.req.submitted_at):
+                fail("reference_metrics", f"{key.request_id}: e2e recorded {e2e}, completed_at - submitted_at "
+                                          f"{key.req.completed_at - key.req.submitted_at}")
+
+
+def snapshot(sched: Any) -> Any:
+    """The scheduler's state as ``spec.reference.Snapshot``, or ``None`` for a policy the
+    reference does not model (the refinement mapping: it reads the records, not the plan)."""
+    from batch.policies.policy import Policy  # noqa: PLC0415
+    from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+    from spec import reference  # noqa: PLC0415
+
+    p, st, c = sched.policy, sched.state, sched.config
+    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy else None
+    if kind is None or c.prefix_caching:  # shared blocks: checked on the pool (check_state), not modelled
+        return None
+    cfg = reference.Cfg(c.kv_cap_blocks, c.block_tokens, c.prefill_chunk_tokens, c.token_budget_tokens,
+                        c.max_running, c.max_preemptions, c.aging_ticks, c.headroom, c.isolation, c.resume_first,
+                        c.max_sit_out_ticks, c.eos_token_id)
+    waiting = sorted((s for s in st.by_obj.values() if s.state in lc.WAITING_STATES), key=lambda s: s.arrival_no)
+    snap = reference.Snapshot(cfg, st.pool.num_free, st.tick_no, st.streak, st.admissions, st.reserved,
+                              [reference.req_of(s) for s in st.running], [reference.req_of(s) for s in waiting], kind)
+    if kind == "fcfs":
+        snap.queue = list(p.order())
+    else:
+        snap.counters, snap.floor, snap.weights = dict(p._counter), p.floor, dict(p.weights)  # noqa: SLF001
+        snap.tol, snap.prices = p.tolerance_tokens * fr.COUNTER_SCALE, (p.prompt_price, p.output_price)
+    return snap
+
+
+def _same_time(a: Any, b: Any) -> bool:
+    """Equal clock readings; two NaNs count as equal (a clock may read NaN: nothing but the
+    latency figures depends on it)."""
+    return a == b or (a != a and b != b)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, comparing records by identity (lists and tuples element-wise)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b if hasattr(a, "req") or hasattr(b, "req") else a == b
+
+
+def _show(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_show(y) for y in x]
+    return getattr(x, "request_id", x)
+
+
+def _diff(want: Any, got: Any) -> str:
+    return ", ".join(f"{f}={getattr(want, f)!r} (scheduler: {getattr(got, f)!r})"
+                     for f in want.__dataclass_fields__ if f != "key" and getattr(want, f) != getattr(got, f))

@@ -206,7 +206,7 @@ class Choices:
     Attributes:
         victim: ``victim(i, attempt, alive) -> index`` of the request to preempt while slot
             ``i`` cannot grow; ``None``: the most recently admitted alive request (the last
-            alive slot), as ``FCFSPolicy.choose_victim``.
+            alive slot), as ``Policy.victim`` (FCFS).
         skip: per slot, the policy leaves this running request out of the batch this tick.
         backfill: admission passes a waiting request that does not fit and tries later ones.
         admit_after_preempt: admission runs even in a tick that preempted.
@@ -216,7 +216,10 @@ class Choices:
             ``fairness_rules.growth_headroom_blocks``).
         late_preempt: per slot, a running request preempted after admission (isolation
             making room; its grant of this plan is undone).
-        revoke: per slot, an admission of this plan taken back (isolation, the backfill window).
+        revoke: per slot, an admission of this plan taken back (isolation).
+        room: per slot, a running request preempted to make room for a light user's request
+            (``batch.core.step``), right before the admission check of slot ``room_head``.
+        room_head: the slot whose admission the ``room`` victims are preempted for.
         assumptions: constraints on the choice variables (filled in by ``tick``).
     """
 
@@ -228,6 +231,8 @@ class Choices:
     headroom: Sequence[Int] | None = None
     late_preempt: Sequence[Bool] | None = None
     revoke: Sequence[Bool] | None = None
+    room: Sequence[Bool] | None = None
+    room_head: int = -1
     assumptions: list = field(default_factory=list)
 
 
@@ -310,6 +315,16 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
     n_admitted: Int = zero
     admitted: list = [False] * R
     for j, r in enumerate(reqs):
+        if ch.room is not None and j == ch.room_head:  # room for slot j: its victims go first
+            for v, rv in enumerate(reqs):
+                hit = And(alive[v], ch.room[v])
+                free = free + If(hit, rv.h + If(granted[v], got[v], 0), 0)
+                budget = budget + If(And(hit, granted[v]), k[v], 0)
+                k[v] = If(hit, 0, k[v])
+                got[v] = If(hit, 0, got[v])
+                alive[v] = And(alive[v], Not(hit))
+                granted[v] = And(granted[v], Not(hit))
+                preempted[v] = Or(preempted[v], hit)
         consider = And(is_waiting(r.st), Not(stop))
         full = resident + n_admitted >= cfg.max_running
         no_budget = budget <= 0

@@ -16,9 +16,9 @@ written for it.
 
 ``Scheduler(check_invariants=True)`` (the test suite's default) runs it every tick with at
 most ``MAX_SLOTS`` slots (the model is quadratic in the slots on ints), so larger ticks are
-counted in ``TraceValidator.skipped`` instead. Ticks in which isolation took grants back after
-admission (``SchedulePlan.revised``) are not steps the model has (its sit-outs come before
-admission) and are counted in ``TraceValidator.unmodelled``.
+counted in ``TraceValidator.skipped`` instead. Isolated ticks (``Plan.isolated``: grants taken
+back after admission) are not steps the model has (its sit-outs come before admission) and are
+counted in ``TraceValidator.unmodelled``; ``spec.reference`` checks them exactly.
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ class TraceValidator:
 
     Attributes:
         checked: ticks validated. skipped: ticks with more than ``max_slots`` slots.
-        unmodelled: ticks in which isolation took grants back after admission (sit-outs,
-            deferred admissions; ``SchedulePlan.revised``): the model sizes admissions' chunks
+        unmodelled: isolated ticks, in which grants were taken back after admission (sit-outs,
+            deferred admissions; ``Plan.isolated``): the model sizes admissions' chunks
             with the budget those grants had, the scheduler did not get it back in time, and the
             model has no such step.
     """
@@ -81,8 +81,8 @@ class TraceValidator:
 
     def before_tick(self, sched: Any) -> None:
         """Record the scheduler's state at the start of a tick (before ``schedule()``)."""
-        self._before = Snapshot({s: _req(s) for s in sched._by_obj.values()}, tuple(sched.running),
-                                sched.pool.num_free)
+        st = sched.state
+        self._before = Snapshot({s: _req(s) for s in st.by_obj.values()}, tuple(st.running), st.pool.num_free)
 
     def after_tick(self, sched: Any, plan: Any, finished_reasons: dict[Any, str]) -> None:
         """Validate the tick that ran ``plan`` (before deferred aborts are applied).
@@ -97,7 +97,7 @@ class TraceValidator:
         before, self._before = self._before, None
         if before is None:
             return
-        if getattr(plan, "revised", False):  # grants taken back after admission: no such step in the model
+        if plan.isolated or sched.config.prefix_caching:
             self.unmodelled += 1
             return
         admitted = [e.seq for e in plan.batch if e.admitted]
@@ -118,13 +118,16 @@ class TraceValidator:
             return next((j for j in preempted if alive[j]), -1)
 
         sat_out = set(plan.sat_out)
-        B = sched.block_tokens
+        c = sched.config
+        B = c.block_tokens
         extra = [entry[s].new_blocks - rules.blocks_needed(reqs[i].n, B) if s in entry and entry[s].admitted else 0
                  for i, s in enumerate(slots)]
+        room = plan.admission_stop == "room"  # its preemptions made room for its last admission
         choices = model.Choices(victim=victim, skip=[s in sat_out for s in slots], extra_blocks=extra,
-                                late_preempt=[i in preempted for i in range(len(slots))])
-        cfg = model.Cfg(cap_blocks=sched.kv_cap_blocks, block_tokens=B, chunk_tokens=sched.prefill_chunk_tokens,
-                        budget_tokens=sched.token_budget_tokens, max_running=sched.max_running)
+                                room=[i in preempted for i in range(len(slots))] if room else None,
+                                room_head=len(slots) - 1 if room else -1)
+        cfg = model.Cfg(cap_blocks=c.kv_cap_blocks, block_tokens=B, chunk_tokens=c.prefill_chunk_tokens,
+                        budget_tokens=c.token_budget_tokens, max_running=c.max_running)
         out = model.tick(reqs, before.free_blocks, cfg, choices)
         for name, holds in out.facts:
             if not holds:
@@ -138,6 +141,6 @@ class TraceValidator:
             for f in ("st", "g", "nc", "h", "pre"):
                 if getattr(want, f) != getattr(got, f):
                     raise RefinementError(f, s.request_id, getattr(want, f), getattr(got, f))
-        if out.free_blocks != sched.pool.num_free:
-            raise RefinementError("free_blocks", "the cache", out.free_blocks, sched.pool.num_free)
+        if out.free_blocks != sched.state.pool.num_free:
+            raise RefinementError("free_blocks", "the cache", out.free_blocks, sched.state.pool.num_free)
         self.checked += 1

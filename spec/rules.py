@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spec.logic import And, Max, Min, Or, Sum, cdiv
+from spec.logic import And, If, Max, Min, Or, Sum, cdiv
 
 Int = Any  # a Python int or a z3 integer term
 
@@ -109,3 +109,28 @@ def ledger_consistent(free_blocks: Int, held_blocks: list[Int], cap_blocks: Int)
 def resident_covered(held_blocks: Int, num_tokens: Int, block_tokens: Int) -> Any:
     """A resident request holds at least what ``kv_blocks_for`` counts for it."""
     return blocks_for(num_tokens, block_tokens) <= held_blocks
+
+
+# ---------------------------------------------------------------- prefix caching (shared blocks)
+
+
+def hit_matches(stored_key: Any, wanted_key: Any) -> Any:
+    """A prefix-cache hit returns a block only if its stored content is the request's: the same
+    tokens and the same parent (``batch.core.prefix_cache.block_keys``)."""
+    return stored_key == wanted_key
+
+
+def may_evict(refcount: Int) -> Any:
+    """A cached block may be evicted (reused for other content) only when no request holds it."""
+    return refcount == 0
+
+
+def refcount_is_holders(refcount: Int, holders: Int) -> Any:
+    """A block's reference count is the number of block tables that hold it."""
+    return refcount == holders
+
+
+def kv_used_distinct(used_blocks: Int, refcounts: list[Int], cap_blocks: Int) -> Any:
+    """The KV cap over distinct physical blocks: the blocks in use are those held at least once
+    (a block shared by several requests counts once), and at most the cap."""
+    return And(used_blocks == Sum([If(r > 0, 1, 0) for r in refcounts]), used_blocks <= cap_blocks)

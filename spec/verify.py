@@ -37,7 +37,7 @@ from spec.logic import And, If, Implies, Not, Or, Sum
 from spec.model import Cfg, Choices, Req
 
 #: Modules that register more checks when imported (skipped when absent).
-PLUGINS: tuple[str, ...] = ("spec.verify_fairness", "spec.verify_lifecycle")
+PLUGINS: tuple[str, ...] = ("spec.verify_fairness", "spec.verify_lifecycle", "spec.verify_prefix")
 
 CODE_STATE = {v: k for k, v in STATE_CODE.items()} | {ABSENT: "absent"}
 
@@ -159,7 +159,7 @@ class Trace:
                     finished[r.request_id] = t
         except Exception as e:  # noqa: BLE001 - reported to the caller
             error = e
-        states = {s.request_id: s.state for s in sched._by_obj.values()} | {rid: "done" for rid in finished}
+        states = {s.request_id: s.state for s in sched.state.by_obj.values()} | {rid: "done" for rid in finished}
         return {"finished": finished, "states": states, "error": error}
 
     def __str__(self) -> str:

@@ -1,9 +1,9 @@
 """z3 checks of the fairness rules: the VTC counter gap (inductive, bounded, across replicas), the lift, aging, sit-outs.
 
-A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers seven
+A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers six
 checks, run with the others by ``python -m spec.verify`` (``--only vtc_counter_gap`` etc.).
-Every check evaluates the functions of ``spec.fairness_rules`` that ``batch/policies/policy.py``,
-``batch/core/isolation.py`` and ``scheduler.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
+Every check evaluates the functions of ``spec.fairness_rules`` that ``batch/core/step.py`` and
+``batch/policies/vtc.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
 so a test can plant a bug in a rule (``monkeypatch.setattr(fr, "lifted_counter", ...)``) and see
 the check fail. What each check assumes and what it leaves out is ``docs/fairness.md``
 section 8.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from spec import fairness_rules as fr
-from spec.logic import And, If, Implies, Min, Not, Or, Sum
+from spec.logic import And, If, Implies, Max, Min, Not, Or, Sum
 from spec.verify import Options, Outcome, StateCounterexample, _outcome, _prove, _val, _z3, register
 
 #: ``(w_p, w_q)`` share weights of the two users in the counter-gap proof. Each divides
@@ -60,12 +60,14 @@ def max_resident_units(max_resident_requests: int, max_prompt_tokens: int, max_o
 
 class _User:
     """One user of the gap proof: counter ``c``, committed service ``rho`` (weighted tokens the
-    resident requests can still be charged), this tick's advance ``a`` (counter units)."""
+    resident requests can still be charged), ``nu`` of it admitted this tick, and this tick's
+    advance ``a`` (the admission order's local prompt charges, counter units)."""
 
     def __init__(self, tag: str, weight: int) -> None:
         z3 = _z3()
         self.tag, self.w = tag, weight
-        self.c, self.rho, self.a = z3.Ints(f"counter_{tag} committed_units_{tag} advance_{tag}")
+        self.c, self.rho, self.nu, self.a = z3.Ints(f"counter_{tag} committed_units_{tag} admitted_units_{tag} "
+                                                    f"advance_{tag}")
 
     def committed(self, c: Any = None, rho: Any = None) -> Any:
         """``c + R``: the counter plus the charge still to come from resident requests."""
@@ -84,19 +86,22 @@ def _gap_steps(p: _User, q: _User, cap: Any, tol: Any) -> list[tuple[str, list, 
         guard = [x_in >= 0, x_out >= 0, who.rho + units <= cap,
                  # VTC with a tolerance: within tol of the least (local) counter among backlogged users
                  fr.vtc_eligible(local, Min(local, other.c + other.a), tol)]
-        after = [(who.a, fr.charged_counter(local, fr.PROMPT_PRICE * x_in, who.w) - who.c), (who.rho, who.rho + units)]
+        after = [(who.a, fr.charged_counter(local, fr.PROMPT_PRICE * x_in, who.w) - who.c), (who.rho, who.rho + units),
+                 (who.nu, who.nu + units)]
         steps.append((f"admission of a request of {who.tag}", guard, after))
     sp_in, sp_out, sq_in, sq_out = z3.Ints("served_prompt_p served_output_p served_prompt_q served_output_q")
     up = fr.service_units(sp_in, sp_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
     uq = fr.service_units(sq_in, sq_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
     guard = [sp_in >= 0, sp_out >= 0, sq_in >= 0, sq_out >= 0, up <= p.rho, uq <= q.rho]
-    after = [(p.c, fr.charged_counter(p.c, up, p.w)), (p.rho, p.rho - up), (p.a, 0),
-             (q.c, fr.charged_counter(q.c, uq, q.w)), (q.rho, q.rho - uq), (q.a, 0)]
+    after = [(p.c, fr.charged_counter(p.c, up, p.w)), (p.rho, p.rho - up), (p.a, 0), (p.nu, 0),
+             (q.c, fr.charged_counter(q.c, uq, q.w)), (q.rho, q.rho - uq), (q.a, 0), (q.nu, 0)]
     steps.append(("service of one iteration (charge both users, end of tick)", guard, after))
     yp, yq = z3.Ints("preempted_units_p preempted_units_q")
-    steps.append(("preemption (a tick that preempts admits nothing)",
-                  [yp >= 0, yp <= p.rho, yq >= 0, yq <= q.rho],
-                  [(p.rho, p.rho - yp), (q.rho, q.rho - yq), (p.a, 0), (q.a, 0)]))
+    # growth preemption, or room made for a light user's admission later in the same tick: the
+    # victims were admitted in earlier ticks (may_preempt), so the tick's advances stay
+    steps.append(("preemption (of requests admitted before this tick; admission may go on after room)",
+                  [yp >= 0, yp <= p.rho - p.nu, yq >= 0, yq <= q.rho - q.nu],
+                  [(p.rho, p.rho - yp), (q.rho, q.rho - yq)]))
     return steps
 
 
@@ -109,9 +114,10 @@ def _gap_inv(p: _User, q: _User, cap: Any, g_pq: Any, g_qp: Any, sub: list | Non
 
     inv = []
     for u in (p, q):
-        inv += [(f"0 <= committed_{u.tag} <= cap", And(0 <= v(u.rho), v(u.rho) <= cap)),
-                (f"0 <= advance_{u.tag} <= R_{u.tag}",
-                 And(0 <= v(u.a), v(u.a) <= v(u.rho) * (fr.COUNTER_SCALE // u.w)))]
+        inv += [(f"0 <= admitted_{u.tag} <= committed_{u.tag} <= cap",
+                 And(0 <= v(u.nu), v(u.nu) <= v(u.rho), v(u.rho) <= cap)),
+                (f"0 <= advance_{u.tag} <= admitted_{u.tag}",
+                 And(0 <= v(u.a), v(u.a) <= v(u.nu) * (fr.COUNTER_SCALE // u.w)))]
     inv += [("J(p,q): c_p + R_p - c_q <= G", p.committed(v(p.c), v(p.rho)) - v(q.c) <= g_pq),
             ("J(q,p): c_q + R_q - c_p <= G", q.committed(v(q.c), v(q.rho)) - v(p.c) <= g_qp)]
     return inv
@@ -133,28 +139,32 @@ def _gap_step_proof(weights: tuple[int, int], cap_of: Any, g_of: Any, timeout_s:
 
 
 def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
-    """A third user ``n`` becomes backlogged beside backlogged ``p`` and ``q`` (equal weights):
-    after the lift, ``J(p, n)`` and ``J(q, n)`` hold with ``G + tol + 1`` (the newcomer starts up
-    to the tolerance and one unit below the least counter); ``J(n, .)`` holds with ``G`` when the
-    lift raised ``n``."""
+    """A third user ``n`` becomes backlogged beside backlogged ``p`` and ``q`` (equal weights),
+    with the lift floor at or below every backlogged counter: after the lift (``lift_floor``,
+    ``lifted_counter``), ``J(p, n)`` and ``J(q, n)`` hold with ``G + tol + 1`` (the newcomer starts
+    up to the tolerance and one unit below the least counter), ``J(n, .)`` holds with ``G`` when
+    the lift raised ``n``, and the floor stays at or below every backlogged counter."""
     z3 = _z3()
-    cp, cq, cn, rp, rq, rn, cap, g, tol = z3.Ints(
-        "counter_p counter_q counter_n R_p R_q R_n max_resident_units G tolerance")
+    cp, cq, cn, rp, rq, rn, cap, g, tol, floor = z3.Ints(
+        "counter_p counter_q counter_n R_p R_q R_n max_resident_units G tolerance floor")
     unit = fr.COUNTER_SCALE
     U = cap * unit
-    lifted = fr.lifted_counter(cn, Min(cp, cq), True, tol)
+    floor1 = fr.lift_floor(floor, Min(cp, cq), True, tol)
+    lifted = fr.lifted_counter(cn, floor1)
     pre = [cap >= 0, tol >= 0, g >= 2 * U + tol, *(And(0 <= r, r <= U) for r in (rp, rq, rn)),
-           cp + rp - cq <= g, cq + rq - cp <= g]
+           cp + rp - cq <= g, cq + rq - cp <= g, floor <= cp, floor <= cq]
     goals = [("J(p,n) after the lift", cp + rp - lifted <= g + tol + 1),
              ("J(q,n) after the lift", cq + rq - lifted <= g + tol + 1),
              ("J(n,p), J(n,q) when the lift raised n",
-              Implies(cn <= Min(cp, cq) - tol - 1, And(lifted + rn - cp <= g, lifted + rn - cq <= g)))]
+              Implies(cn < floor1, And(lifted + rn - cp <= g, lifted + rn - cq <= g))),
+             ("the floor stays at or below every backlogged counter",
+              And(floor1 <= cp, floor1 <= cq, floor1 <= lifted))]
     status, info = _prove(pre, goals, timeout_s)
     if status == "counterexample":
         m, bad = info
         return status, StateCounterexample("lift of a third user n beside backlogged p, q", bad, {
             "counters p, q, n": (_val(m, cp), _val(m, cq), _val(m, cn)),
-            "R p, q, n": (_val(m, rp), _val(m, rq), _val(m, rn)),
+            "R p, q, n": (_val(m, rp), _val(m, rq), _val(m, rn)), "floor": _val(m, floor),
             "G": _val(m, g), "tolerance": _val(m, tol), "n after the lift": _val(m, lifted)})
     return status, info
 
@@ -164,8 +174,9 @@ def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
           "inductive for every tolerance T >= 0 and G >= U_p + U_q + T, U_u = N*(w_p*L_in + w_q*M)*SCALE/w_u "
           "(R_u: charge still to come from u's resident requests, <= U_u), under admission of any user within T "
           "of the least counter (vtc_eligible, with the tick's advance prompt charges), charge per iteration "
-          "(charged_counter, service_units), preemption; hence c_p - c_q <= U_p + U_q + T (docs/fairness.md "
-          "section 5); a newcomer lifted to T + 1 below the least counter starts within G + T + 1 of the others")
+          "(charged_counter, service_units), preemption (growth, or room for a light user's admission in the same tick); "
+          "hence c_p - c_q <= U_p + U_q + T (docs/fairness.md section 5); a newcomer lifted to the floor "
+          "(lift_floor, lifted_counter) starts within G + T + 1 of the others and the floor stays below them")
 def check_vtc_counter_gap(opts: Options) -> Outcome:
     """Inductive step per step kind, per weight pair in ``GAP_WEIGHTS``; symbolic service per step."""
     bound = (f"unbounded (any counters, any service per iteration up to what is resident, any resident cap "
@@ -210,30 +221,47 @@ def check_vtc_counter_gap(opts: Options) -> Outcome:
 
 
 @register("vtc_lift",
-          "lifted_counter(own, min over backlogged, others, T) >= min over the backlogged users' counters - T - 1 "
-          "when others are backlogged (idle time banks at most the tolerance T and one unit), >= own (never "
-          "decreases), and == max(own, min - T - 1) (no penalty beyond it); == own when no one else is backlogged")
+          "with the floor at or below every backlogged counter and >= 0: after a lift (lift_floor, lifted_counter) "
+          "the newcomer is >= the least other backlogged counter - T - 1 (idle time banks at most T and one unit), "
+          ">= its own (never decreases), <= max(own, least) (no penalty beyond the least counter), <= max(own, floor, "
+          "least - T - 1) (it starts below the band, not queued inside it, unless already higher), and the floor "
+          "never decreases and stays at or below every backlogged counter; alone: max(own, floor); an idle user at "
+          "or below the floor (forgettable) returns to the same counter as one read as 0 (forgetting is exact); "
+          "once no user is active, idle_floor makes every counter forgettable")
 def check_vtc_lift(opts: Options) -> Outcome:
-    """Up to ``n`` other users, each backlogged or not, with any counters."""
+    """Up to ``n`` other users, each backlogged or not, with any counters; then any later floor."""
     z3 = _z3()
     n = 4
-    own, tol = z3.Ints("own tolerance")
+    own, tol, floor, later, biggest = z3.Ints("own tolerance floor later_floor largest_counter")
     cs = z3.Ints(" ".join(f"counter_{i}" for i in range(n)))
     bl = [z3.Bool(f"backlogged_{i}") for i in range(n)]
     m = z3.Int("min_backlogged")  # what the policy passes: the least counter among backlogged users
     anyb = Or(*bl)
-    pre = [own >= 0, tol >= 0, *(c >= 0 for c in cs), *(Implies(b, m <= c) for b, c in zip(bl, cs)),
+    pre = [own >= 0, tol >= 0, floor >= 0, *(Implies(b, And(m <= c, floor <= c)) for b, c in zip(bl, cs)),
            Implies(anyb, Or(*(And(b, m == c) for b, c in zip(bl, cs))))]
-    lifted = fr.lifted_counter(own, m, anyb, tol)
+    floor1 = fr.lift_floor(floor, m, anyb, tol)
+    lifted = fr.lifted_counter(own, floor1)
     goals = [("banks at most the tolerance", Implies(anyb, lifted >= m - tol - 1)),
              ("never decreases", lifted >= own),
-             ("no penalty beyond the band", Implies(anyb, lifted == If(own >= m - tol - 1, own, m - tol - 1))),
-             ("alone: keeps its own", Implies(Not(anyb), lifted == own))]
+             ("no penalty beyond the least counter", Implies(anyb, lifted <= If(own >= m, own, m))),
+             ("below the band unless the floor or its own counter is higher",
+              Implies(anyb, lifted <= Max(own, Max(floor, m - tol - 1)))),
+             ("the floor never decreases", floor1 >= floor),
+             ("the floor stays at or below every backlogged counter",
+              And(floor1 <= lifted, *(Implies(b, floor1 <= c) for b, c in zip(bl, cs)))),
+             ("alone: max(own, floor)", Implies(Not(anyb), lifted == If(own >= floor, own, floor))),
+             ("forgetting is exact: a forgettable counter returns as one read as 0",
+              Implies(And(fr.forgettable(own, floor), later >= floor),
+                      fr.lifted_counter(own, later) == fr.lifted_counter(0, later))),
+             ("once nothing is active (idle_floor over the largest counter) every counter is forgettable, "
+              "and the floor never decreases",
+              And(fr.idle_floor(floor, biggest) >= floor,
+                  *(Implies(c <= biggest, fr.forgettable(c, fr.idle_floor(floor, biggest))) for c in (own, *cs))))]
     status, info = _prove(pre, goals, opts.timeout_s)
     bound = f"unbounded counters, up to {n} other users"
 
     def cex(mo: Any, bad: list[str]) -> StateCounterexample:
-        values = {"own": _val(mo, own),
+        values = {"own": _val(mo, own), "floor": _val(mo, floor),
                   "others (counter, backlogged)": [(_val(mo, c), _val(mo, b)) for c, b in zip(cs, bl)],
                   "min_backlogged": _val(mo, m), "tolerance": _val(mo, tol), "lifted": _val(mo, lifted)}
         return StateCounterexample("lift", bad, values)
@@ -247,14 +275,14 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
     """Unroll ``depth`` ticks of the aging abstraction; returns (assumptions, goals, trace terms).
 
     The waiting request r (``need_r`` blocks, admissible: ``<= cap``) is the first candidate
-    that does not fit whenever it does not fit; everything else is the adversary: which other
-    requests are admitted ahead of r before its reservation (VTC order) or past it
-    (``may_backfill_past``), and, once r holds the reservation, past it only when r does not
-    fit and ``may_pass_reservation`` holds against the largest ``rem`` among the residents
-    (EASY backfilling), each fitting with the headroom; resident work ``rem <= L`` iterations
-    (the worst case: prompt chunks plus ``max_tokens``); early finishes (EOS: a resident that
-    runs in a tick may leave in it, not a preemption); growth by a block; preemptions; which
-    ticks are isolated (within ``sit_out_allowed``) and which residents sit out in them.
+    that does not fit whenever it does not fit (admission stops there: no backfill); everything
+    else is the adversary: which other request is admitted ahead of r before its reservation (the
+    policy's order, a returning user's lift, a resume-first trial, room made for a light user),
+    none once r holds it (the reservation goes first and nothing else is admitted until it fits);
+    resident work ``rem <= L`` iterations (prompt chunks plus ``max_tokens``); early finishes
+    (EOS); growth by a block; preemptions (growth, or room for a light user, which may be r);
+    which ticks are isolated (within ``sit_out_allowed``), which residents sit out in them, and
+    whether an isolated tick defers r's admission (never the reservation holder's).
     """
     z3 = _z3()
     # Bit-vectors, as in ``spec.verify.unroll``: every quantity is small, and z3 decides them by
@@ -267,7 +295,6 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
     zero, one = z3.BitVecVal(0, width), z3.BitVecVal(1, width)
     asm: list = []
     need_r = var("need_r")
-    backfill = z3.Bool("backfill")
     rem = [var(f"rem{j}_0") for j in range(slots)]
     h = [var(f"blocks{j}_0") for j in range(slots)]
     streak = var("streak_0")
@@ -277,52 +304,44 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
                 Implies(rem[j] == 0, h[j] == 0)]
     asm.append(Sum(h) <= cap)
     admitted, blocked, reserved, counted = z3.BoolVal(False), zero, z3.BoolVal(False), zero
-    goals, trace = [], {"need_r": need_r, "backfill": backfill, "ticks": []}
-    bound = fr.admission_wait_bound(T, K, L)
+    goals, trace = [], {"need_r": need_r, "ticks": []}
+    bound = fr.admission_wait_bound(T, L)
     for t in range(depth):
-        free = cap - Sum(h)
         pre = [z3.Bool(f"preempt{j}_{t}") for j in range(slots)]
         grow = [z3.Bool(f"grow{j}_{t}") for j in range(slots)]
+        room = z3.Bool(f"room_{t}")  # the preemptions made room for an admission (growth ones stop admission)
         asm += [Implies(pre[j], rem[j] > 0) for j in range(slots)]
         asm += [Implies(grow[j], And(rem[j] > 0, Not(pre[j]))) for j in range(slots)]
         h1 = [If(pre[j], 0, h[j] + If(grow[j], one, zero)) for j in range(slots)]
         rem1 = [If(pre[j], 0, rem[j]) for j in range(slots)]
         asm.append(Sum(h1) <= cap)  # growth takes free blocks (else the scheduler preempts)
-        any_pre = Or(*pre)
+        growth_pre = And(Or(*pre), Not(room))
         free1 = cap - Sum(h1)
         resident = Sum([If(r > 0, one, zero) for r in rem1])
-        # another request admitted this tick (into an empty slot): ahead of r, or past it
+        # another request admitted this tick (into an empty slot), ahead of r: never past it
         other = [z3.Bool(f"admit_other{j}_{t}") for j in range(slots)]
-        ahead = z3.Bool(f"other_ahead_{t}")
         o_need, o_rem = var(f"other_need_{t}"), var(f"other_work_{t}")
         asm += [Implies(other[j], rem1[j] == 0) for j in range(slots)]
         asm += [Sum([If(o, one, zero) for o in other]) <= 1, o_need >= 1, o_need <= cap,
                 o_rem >= 1, o_rem <= L]
         some_other = Or(*other)
-        top = rem1[0]
-        for x in rem1[1:]:
-            top = If(x > top, x, top)
-        top_rem = var(f"top_work_{t}")  # the largest worst-case remaining work among the residents
-        asm.append(top_rem == top)
         headroom = fr.growth_headroom_blocks(resident, B)
-        other_fits = fr.can_admit(free1, o_need, headroom)
-        free2 = free1 - If(And(some_other, ahead), o_need, 0)
-        res2 = resident + If(And(some_other, ahead), one, zero)
+        free2 = free1 - If(some_other, o_need, 0)
+        res2 = resident + If(some_other, one, zero)
         fits_r = fr.can_admit(free2, need_r, If(reserved, 0, fr.growth_headroom_blocks(res2, B)))
-        tried = And(Not(admitted), Not(any_pre))  # admission runs only in a tick that did not preempt
-        adm_r = And(tried, fits_r)
-        may_pass = fr.may_backfill_past(blocked, T, backfill)
-        asm.append(Implies(some_other, And(
-            Not(admitted), Not(any_pre), other_fits,
-            If(reserved,  # past the reservation holder only, when it does not fit (EASY backfilling)
-               And(Not(ahead), Not(fits_r), fr.may_pass_reservation(o_rem, top_rem)),
-               Or(ahead, And(Not(fits_r), may_pass, fr.can_admit(free1, o_need, headroom)))))))
+        tried = And(Not(admitted), Not(growth_pre))  # admission runs only in a tick without a growth preemption
+        iso = z3.Bool(f"isolated_{t}")
+        deferred = z3.Bool(f"deferred_{t}")  # r fit but the isolated tick kept only a light user's prefill
+        asm += [Implies(deferred, And(iso, Not(reserved)))]
+        adm_r = And(tried, fits_r, Not(deferred))
+        asm.append(Implies(some_other, And(Not(admitted), Not(growth_pre), Not(reserved),
+                                           fr.can_admit(free1, o_need, headroom))))
+        asm.append(Implies(room, Or(some_other, And(tried, fits_r))))  # room is made for an admission
         is_blocked = And(tried, Not(fits_r))
         blocked1 = blocked + If(is_blocked, one, zero)
         reserved1 = Or(reserved, And(is_blocked, fr.reserved_after(blocked1, T)))
-        counted1 = counted + If(And(Not(admitted), Or(reserved, Not(any_pre))), one, zero)
+        counted1 = counted + If(And(Not(admitted), Not(iso), Or(reserved, Not(growth_pre))), one, zero)
         # the iteration: isolated ticks within the cap; residents sit out only in them
-        iso = z3.Bool(f"isolated_{t}")
         sits = [z3.Bool(f"sits_out{j}_{t}") for j in range(slots)]
         asm.append(Implies(iso, fr.sit_out_allowed(streak, K)))
         asm += [Implies(sits[j], iso) for j in range(slots)]
@@ -344,35 +363,35 @@ def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int)
         rem, h, streak, blocked, counted, admitted, reserved = nxt_rem, nxt_h, nxt[0], nxt[1], nxt[2], nadm, nres
         trace["ticks"].append({"rem": rem, "blocks": h, "streak": streak, "blocked_ticks": blocked,
                                "counted": counted, "admitted": admitted, "reserved": reserved, "isolated": iso,
-                               "preempted": pre, "early finish": eos, "other admitted": some_other,
-                               "other ahead": ahead, "other work": If(some_other, o_rem, zero)})
+                               "preempted": pre, "room": room, "early finish": eos, "other admitted": some_other,
+                               "deferred": deferred, "other work": If(some_other, o_rem, zero)})
         goals.append((f"r admitted once {bound} counted ticks passed (tick {t})", Implies(counted >= bound, admitted)))
     return asm, goals, trace
 
 
 @register("no_starvation_aging",
           "an admissible waiting request r that is the first candidate not fitting is admitted within "
-          "admission_wait_bound(T, K, L) = T + (K+1)*L + 1 ticks (ticks before its reservation counted when "
-          "admission ran), whatever else is admitted ahead of or past it before its reservation, or past the "
-          "reservation under may_pass_reservation (fewer worst-case remaining iterations than the largest "
-          "resident's), and whichever residents finish early (EOS), under the fairness assumption "
-          "(a resident request needs <= L more iterations at worst; tick() keeps being called)")
+          "admission_wait_bound(T, L) = T + L + 1 counted ticks (ticks that are not isolated and, before its "
+          "reservation, ran admission: no growth preemption), whatever else is admitted ahead of it before its "
+          "reservation (nothing passes it: no backfill; nothing is admitted while it holds the reservation), "
+          "whichever residents are preempted, finish early (EOS) or sit out, and whether isolated ticks defer it, "
+          "under the fairness assumption (a resident request needs <= L more iterations at worst; tick() keeps "
+          "being called); isolated ticks come at most K in a row (sit_out_bound)")
 def check_no_starvation_aging(opts: Options) -> Outcome:
     """Bounded model checking of the abstraction in ``_aging_run`` (rules: ``can_admit``,
-    ``growth_headroom_blocks``, ``may_backfill_past``, ``reserved_after``, ``may_pass_reservation``,
-    ``sit_out_allowed``, ``next_streak``, ``admission_wait_bound``)."""
+    ``growth_headroom_blocks``, ``reserved_after``, ``sit_out_allowed``, ``next_streak``,
+    ``admission_wait_bound``)."""
     T, K, L = AGING_T, AGING_K, AGING_L
-    bound_ticks = fr.admission_wait_bound(T, K, L)
+    bound_ticks = fr.admission_wait_bound(T, L)
     depth = bound_ticks + AGING_EXTRA
     asm, goals, trace = _aging_run(T, K, L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, depth)
     bound = (f"T={T}, K={K}, L={L}: bound {bound_ticks} counted ticks; depth {depth} ticks; {AGING_SLOTS} resident "
              f"slots, cap {AGING_CAP_BLOCKS} blocks of {AGING_BLOCK_TOKENS} tokens, any r (need <= cap), one "
-             f"other admission per tick (past the reservation under may_pass_reservation), early finishes, "
-             f"backfill on or off")
+             f"other admission per tick ahead of r, early finishes, room preemptions, isolation deferrals")
     status, info = _prove(asm, goals, opts.timeout_s, split=False)
 
     def cex(m: Any, bad: list[str]) -> StateCounterexample:
-        values: dict[str, Any] = {"need_r": _val(m, trace["need_r"]), "backfill": _val(m, trace["backfill"])}
+        values: dict[str, Any] = {"need_r": _val(m, trace["need_r"])}
         for t, s in enumerate(trace["ticks"]):
             values[f"after tick {t}"] = ", ".join(
                 f"{k} {[_val(m, x) for x in v] if isinstance(v, list) else _val(m, v)}" for k, v in s.items())
@@ -419,60 +438,6 @@ def check_sit_out_bound(opts: Options) -> Outcome:
             m, bad = info
             return Outcome("counterexample", bound, counterexample=StateCounterexample(
                 f"{K + 1} iterations, K={K}", bad, {"streak_0": _val(m, st), "isolated": [_val(m, x) for x in isos]}))
-        if status != "proved":
-            return Outcome("unknown", bound, f"K={K}: {status} {info or ''}")
-    return Outcome("proved", bound, "unsat; assumptions sat")
-
-
-@register("sit_out_bound_with_target",
-          "with an iteration target (Isolation(iteration_target_s=...)), one request sits out at most "
-          "target_sit_out_bound(K) = 2K iterations in a row: 0 <= streak <= K and run <= streak + K are "
-          "inductive for any K under sit_out_allowed, may_trim and streak_after, whatever mix of isolated, "
-          "trimmed and full iterations and whether the request is cut; no 2K+1 sit-outs in a row exist")
-def check_sit_out_bound_with_target(opts: Options) -> Outcome:
-    z3 = _z3()
-    k, s, c = z3.Ints("K streak run")
-    iso, trim, out = z3.Bools("isolated trimmed sits_out")
-    # One iteration: isolated (sit_out_allowed) or trimmed (then the request is cut only under
-    # may_trim) or neither (full: nobody sits out); `out`: this request sits out in it.
-    step = [k >= 1, s >= 0, s <= k, c >= 0, c <= s + k,
-            Not(And(iso, trim)), Implies(iso, fr.sit_out_allowed(s, k)),
-            Implies(And(trim, out), fr.may_trim(c, k)), Implies(out, Or(iso, trim))]
-    s1 = fr.streak_after(s, iso, trim)
-    c1 = If(out, c + 1, 0)
-    status, info = _prove(step, [("0 <= streak' <= K", And(s1 >= 0, s1 <= k)),
-                                 ("run' <= streak' + K", c1 <= s1 + k),
-                                 ("run' <= target_sit_out_bound(K)", c1 <= fr.target_sit_out_bound(k))],
-                          opts.timeout_s)
-    bound = (f"inductive step for any K >= 1; runs of 2K+1 iterations from a fresh request for K in "
-             f"{[x for x in SIT_OUT_KS if x >= 1]}")
-    if status == "counterexample":
-        m, bad = info
-        return Outcome("counterexample", bound, counterexample=StateCounterexample(
-            "one iteration", bad, {"K": _val(m, k), "streak": _val(m, s), "run": _val(m, c), "isolated": _val(m, iso),
-                                   "trimmed": _val(m, trim), "sits out": _val(m, out)}))
-    if status != "proved":
-        return Outcome("unknown", bound, f"{status} {info or ''}")
-    for K in (x for x in SIT_OUT_KS if x >= 1):
-        n = 2 * K + 1
-        st, rn = z3.Int("streak_0"), z3.IntVal(0)
-        isos = [z3.Bool(f"isolated_{t}") for t in range(n)]
-        trims = [z3.Bool(f"trimmed_{t}") for t in range(n)]
-        outs = [z3.Bool(f"sits_out_{t}") for t in range(n)]
-        asm = [st >= 0, st <= K]
-        cur: Any = st
-        for t in range(n):
-            asm += [Not(And(isos[t], trims[t])), Implies(isos[t], fr.sit_out_allowed(cur, K)),
-                    Implies(And(trims[t], outs[t]), fr.may_trim(rn, K)), Implies(outs[t], Or(isos[t], trims[t]))]
-            nxt = z3.Int(f"streak_{t + 1}")
-            asm.append(nxt == fr.streak_after(cur, isos[t], trims[t]))
-            cur, rn = nxt, If(outs[t], rn + 1, 0)
-        status, info = _prove(asm, [(f"not {n} sit-outs in a row", Not(And(*outs)))], opts.timeout_s, split=False)
-        if status == "counterexample":
-            m, bad = info
-            return Outcome("counterexample", bound, counterexample=StateCounterexample(
-                f"{n} iterations, K={K}", bad, {"streak_0": _val(m, st), "isolated": [_val(m, x) for x in isos],
-                                                "trimmed": [_val(m, x) for x in trims]}))
         if status != "proved":
             return Outcome("unknown", bound, f"K={K}: {status} {info or ''}")
     return Outcome("proved", bound, "unsat; assumptions sat")
@@ -639,9 +604,10 @@ def _replica_gap_steps(p: _User, q: _User, cap: Any, tol: Any, stale: Any,
         vp, vq, sandwich = views(f"lift_{w_tag}")
         v_who, v_other = (vp, vq) if who is p else (vq, vp)
         least = z3.Int(f"least_view_{w_tag}")  # the least view among the others backlogged there
-        lifted = fr.lifted_counter(v_who, least, True, tol)
+        floor = z3.Int(f"floor_{w_tag}")  # the replica's lift floor: at or below its backlogged views
+        lifted = fr.lifted_counter(v_who, fr.lift_floor(floor, least, True, tol))
         steps.append((f"lift of {who.tag} on a replica where {other.tag} is backlogged",
-                      [*sandwich, least >= 0, least <= v_other],
+                      [*sandwich, least >= 0, least <= v_other, floor <= least],
                       [(who.c, who.c + (lifted - v_who))]))
     sp_in, sp_out, sq_in, sq_out = z3.Ints("served_prompt_p served_output_p served_prompt_q served_output_q")
     up = fr.service_units(sp_in, sp_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
@@ -682,7 +648,8 @@ def _replica_gap_proof(weights: tuple[int, int], timeout_s: float, upper: bool =
           "across replicas sharing counters with staleness D (every replica's view v of a user's global counter "
           "c = service on all replicas + lift level within c - D <= v <= c): J(p,q) = c_p + R_p - c_q <= "
           "U_p + U_q + T + D is inductive under admission of p on a replica where q is backlogged (vtc_eligible "
-          "on that replica's views, with the tick's advance), a lift of p there (lifted_counter on its views), "
+          "on that replica's views, with the tick's advance), a lift of p there (lift_floor, lifted_counter on its "
+          "views, its floor at or below them), "
           "the same for q, service on any replicas, preemption; hence c_p - c_q <= U_p + U_q + T + D "
           "(docs/scale-out.md section 2); without the sandwich's upper half (a lift kept private) it is not")
 def check_vtc_counter_gap_replicas(opts: Options) -> Outcome:
@@ -699,7 +666,7 @@ def check_vtc_counter_gap_replicas(opts: Options) -> Outcome:
                 values[f"user {u.tag}: global counter, committed units"] = (_val(m, u.c), _val(m, u.rho))
             values["step's choices"] = ", ".join(f"{d.name()}={m[d]}" for d in m.decls()
                                                  if d.name().startswith(("admit_", "served_", "preempted_", "view_",
-                                                                         "least_", "advance_")))
+                                                                         "least_", "advance_", "floor_")))
             return Outcome("counterexample", bound, counterexample=StateCounterexample(name, bad, values))
         if status != "proved":
             return Outcome("unknown", bound, f"weights {w}: {status} {info[0] if info else ''}")

@@ -9,6 +9,8 @@ import pytest
 import vllm_compare as vc
 
 import scheduler
+from batch.policies.policy import Policy
+from batch.policies.vtc import VTCPolicy
 
 
 @pytest.fixture(autouse=True)
@@ -18,21 +20,27 @@ def _no_invariant_checks(monkeypatch):
     monkeypatch.setattr(scheduler, "CHECK_INVARIANTS", False)
 
 
-def test_ablation_has_a_row_per_mechanism_with_finite_figures(tmp_path):
+def test_ablation_has_a_row_per_mechanism_and_the_tolerance_curve_with_finite_figures(tmp_path):
     traces = vc.traces_dir()
     cfg = ablation.Config.quick()
-    rows, mat = ablation.ablate(cfg, traces=traces if (traces / cfg.anchors[0]).is_file() else tmp_path)
-    assert [r.key for r in rows] == [v.key for v in ablation.MECHANISMS]
-    assert len(rows) == 9
+    rows, mat, curve = ablation.ablate(cfg, traces=traces if (traces / cfg.anchors[0]).is_file() else tmp_path)
+    assert [r.key for r in rows] == [v.key for v in ablation.MECHANISMS] + [ablation.TOLERANCE]
+    assert len(rows) == 8
     for r in rows:
         assert r.figures, r.key
         for f in r.figures:
             assert f.finite(), (r.key, f)
     lines = ablation.table(rows)
-    assert len(lines) == 2 + sum(len(r.figures) for r in rows)
+    assert len(lines) == 2 + sum(len(r.figures) + 1 for r in rows)  # each row's figures and its verdict
     assert all(line.count("|") == 8 for line in lines)
     for r in rows:
         assert sum(f"**{r.mechanism}**" in line for line in lines) == 1
+    assert sum("**verdict**" in line for line in lines) == len(rows)
+    # the curve: a line per tolerance, then FCFS and vLLM; the row compares each T > 0 with T = 0
+    assert [c["tolerance"] for c in curve] == [*cfg.tolerances, None, None]
+    assert curve[-1]["name"].startswith("vLLM") and curve[-1]["weighted_share"] is None
+    assert sum("weight-2" in f.label for f in rows[-1].figures) == len(cfg.tolerances) - 1
+    assert len(ablation.curve_table(curve)) == 2 + len(curve)
     # the matrix: the default, every mechanism off, FCFS; every figure finite
     assert list(mat) == ["default", *(v.key for v in ablation.MECHANISMS), "fcfs"]
     for cells in mat.values():
@@ -43,17 +51,55 @@ def test_ablation_has_a_row_per_mechanism_with_finite_figures(tmp_path):
 def test_each_variant_switches_off_only_its_mechanism():
     """The variant's scheduler differs from the default's in the one knob named."""
     def knobs(s):
-        p = s.policy
-        return {"policy": type(p).__name__, "tolerance": getattr(p, "tolerance_tokens", None),
-                "isolation": s.isolation is not None,
-                "model": None if s.isolation is None else s.isolation.model.min_observations,
-                "headroom": s.admission_headroom, "easy": s.easy_backfill,
-                "drain": getattr(p, "drain_longest_first", None), "resume": getattr(p, "resume_decodes_first", None),
-                "aging": s.aging_ticks, "cap": s.max_preemptions}
+        p, c = s.policy, s.config
+        return {"vtc": isinstance(p, VTCPolicy), "tolerance": getattr(p, "tolerance_tokens", None),
+                "isolation": c.isolation, "headroom": c.headroom, "resume": c.resume_first,
+                "victim": type(p).victim.__qualname__, "aging": c.aging_ticks, "cap": c.max_preemptions}
 
     base = knobs(ablation.DEFAULT.factory()())
     assert base == knobs(scheduler.Scheduler())
     changed = {v.key: {k for k, x in knobs(v.factory()()).items() if x != base[k]} for v in ablation.MECHANISMS}
-    assert changed == {"vtc": {"tolerance"}, "isolation": {"isolation", "model"}, "latency-model": {"model"},
-                       "headroom": {"headroom"}, "easy": {"easy"}, "drain": {"drain"}, "resume-first": {"resume"},
-                       "aging": {"aging"}, "preemption-cap": {"cap"}}
+    assert changed == {"vtc": {"tolerance"}, "isolation": {"isolation"}, "headroom": {"headroom"},
+                       "resume-first": {"resume"}, "victim": {"victim"}, "aging": {"aging"}, "preemption-cap": {"cap"}}
+    assert knobs(ablation.tolerance_variant(512).factory()()) == {**base, "tolerance": 512}
+
+
+def test_the_victim_variant_preempts_the_newest_admission_where_vtc_shields_a_light_user():
+    """Two requests of the heavy user ``h`` admitted first, the light user's ``l`` last: VTC's rule
+    spares ``l`` (its user holds at most a quarter of the blocks); vLLM's rule takes the newest."""
+    def seq(user, admit_no, blocks):
+        s = type("S", (), {})()
+        s.user_id, s.admit_no, s.block_table, s.num_preemptions, s.num_computed_tokens = (
+            user, admit_no, [0] * blocks, 0, 16 * blocks)
+        return s
+
+    cands = [seq("h", 0, 8), seq("h", 1, 8), seq("l", 2, 1)]
+    assert VTCPolicy().victim(cands).user_id == "h"
+    assert ablation.NewestVictimVTC().victim(cands) is cands[2]
+    assert ablation.NewestVictimVTC.victim is Policy.victim
+
+
+def test_the_verdict_names_the_outcomes_that_move_by_one_percent_or_says_none_does():
+    F = ablation.Figure
+    row = ablation.Row("x", "x", "x=False", "", [F("a", 100.0, 100.5, None), F("b", 10.0, 12.0, None),
+                                                 F("  paired", math.nan, 5.0, None), F("c", 0.0, 0.0, None),
+                                                 F("d", 0.0, 3.0, None), F("own", 9.0, 0.0, None, outcome=False)])
+    assert [f.label for f in row.moved()] == ["d", "b"]  # from 0 first; the mechanism's own count left out
+    assert row.figures[3].cells()[3] == "0" and row.figures[4].cells()[3] == "from 0"
+    v = row.verdict()
+    assert v.startswith("2 of 5 outcome figures change by 1% or more") and "d from 0; b +20.0%" in v
+    flat = ablation.Row("y", "y", "y=False", "", [F("a", 100.0, 100.5, None), F("  paired", math.nan, 5.0, None),
+                                                  F("own", 9.0, 0.0, None, outcome=False)])
+    assert flat.moved() == [] and flat.verdict() == "none of its 2 outcome figures changes by 1% or more without it"
+
+
+def test_vllm_figures_are_quoted_when_vllm_is_not_importable(monkeypatch, tmp_path):
+    def unavailable():
+        raise vc.VLLMUnavailable("not here")
+
+    monkeypatch.setattr(vc, "_vllm", unavailable)
+    for name, x in ablation.VLLM_TTFT_P99_QUOTED.items():
+        assert ablation.vllm_ttft_p99(tmp_path / name) == (x, "quoted")
+    got, source = ablation.vllm_ttft_p99(tmp_path / "other.csv")
+    assert math.isnan(got) and source == "quoted"
+    assert set(ablation.VLLM_TTFT_P99_QUOTED) == set(vc.ORDER)

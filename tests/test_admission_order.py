@@ -1,36 +1,24 @@
-"""``VTCPolicy.admission_order`` (heaps, lazy walk of the policy's heap) against a brute-force
-reference written from its docstring: on random sequences of arrivals, admissions (also past
-the first candidate), preemptions back to the queue, aborts, service and drain phases, with
-tolerances 0..1000, weights and prices, the order, the counters and every lazy prefix match."""
+"""``VTCPolicy.order`` (heaps, a lazy walk) against a brute-force reference written from the rules
+(``spec.fairness_rules``: ``vtc_eligible``, ``charged_counter``, ``lift_floor``, ``lifted_counter``,
+``idle_floor``, ``forgettable``): on random sequences of arrivals, admissions (also past the first
+candidate), preemptions back to the queue, aborts, charges, finishes and idle users, with
+tolerances 0..1000, weights and prices; the order, every lazy prefix of it, the counters, the
+lift floor and the waiting preempted decodes (``resumable``) match."""
 import random
 
 import pytest
 
-from batch.policies.policy import DRAIN_SHARE, MAX_DRAIN_PASSES, VTCPolicy, remaining_iterations
+from batch.core.state import Seq
+from batch.policies.vtc import VTCPolicy
+from inference_stub import Request
 from spec import fairness_rules as fr
 
 S = fr.COUNTER_SCALE
 
 
-class Req:
-    def __init__(self, max_tokens):
-        self.max_tokens = max_tokens
-        self.generated = []
-
-
-class Seq:
-    def __init__(self, user, arrival_no, n_prompt, max_tokens):
-        self.user_id, self.arrival_no, self.num_prompt_tokens = user, arrival_no, n_prompt
-        self.num_prompt_tokens_served = 0
-        self.req = Req(max_tokens)
-        self.num_computed = 0
-
-    @property
-    def num_tokens(self):
-        return self.num_prompt_tokens + len(self.req.generated)
-
-    def __repr__(self):
-        return f"S({self.user_id},{self.arrival_no},p{self.num_prompt_tokens}/{self.num_prompt_tokens_served},g{len(self.req.generated)})"
+def make_seq(user, arrival_no, n_prompt, max_tokens):
+    req = Request(user_id=user, prompt=[1] * n_prompt, max_tokens=max_tokens, request_id=f"r{arrival_no}")
+    return Seq(req=req, user_id=user, rid=req.request_id, arrival_no=arrival_no, num_prompt_tokens=n_prompt)
 
 
 def cdiv(a, b):
@@ -38,61 +26,54 @@ def cdiv(a, b):
 
 
 class Ref:
-    def __init__(self, T, weights, pp, op, chunk=64):
-        self.T, self.w, self.pp, self.op, self.chunk = T * S, weights, pp, op, chunk
+    """The policy's rules, by brute force. ``active``: users with a request waiting or resident."""
+
+    def __init__(self, T, weights, pp, op):
+        self.T, self.w, self.pp, self.op = T * S, weights, pp, op
         self.c = {}
+        self.floor = 0
         self.wait = {}  # user -> list of seqs (set semantics)
-        self.passes = {}
-        self.drain = False
+        self.active = set()
+        self.decodes = set()  # waiting requests requeued with output tokens
 
     def weight(self, u):
         return self.w.get(u, 1)
 
-    def _activate(self, u):
-        others = [self.c.get(v, 0) for v in self.wait if v != u]
-        own = self.c.get(u, 0)
+    def _lift(self, u):
+        others = [self.c.get(v, 0) for v in self.wait if v != u] or \
+            [self.c.get(v, 0) for v in self.active if v != u]
         if others:
-            self.c[u] = max(own, min(others) - self.T - 1)
+            self.floor = max(self.floor, min(others) - self.T - 1)
+        self.c[u] = max(self.c.get(u, 0), self.floor)
+        self.active.add(u)
 
     def add(self, s):
-        new = s.user_id not in self.wait
+        if s.user_id not in self.wait:
+            self._lift(s.user_id)
         self.wait.setdefault(s.user_id, []).append(s)
-        if new:
-            self._activate(s.user_id)
 
-    requeue = add
+    def requeue(self, s):
+        self.add(s)
+        if s.req.generated:
+            self.decodes.add(s)
 
-    def discard(self, s):
-        self.passes.pop(s, None)
+    def remove(self, s):
+        self.decodes.discard(s)
         lst = self.wait[s.user_id]
         lst.remove(s)
         if not lst:
             del self.wait[s.user_id]
 
-    def remove(self, s):
-        if self.drain:
-            for q in self.wait[s.user_id]:
-                if q.arrival_no < s.arrival_no:
-                    self.passes[q] = self.passes.get(q, 0) + 1
-        self.discard(s)
-
-    def on_service(self, u, p, o):
+    def charge(self, u, p, o):
         self.c[u] = self.c.get(u, 0) + cdiv((self.pp * p + self.op * o) * S, self.weight(u))
 
-    def before_admission(self, resident):
-        num, den = DRAIN_SHARE
-        n = sum(len(v) for v in self.wait.values())
-        self.drain = n * den <= num * resident
-
-    def user_order(self, u):
-        lst = sorted(self.wait[u], key=lambda q: q.arrival_no)
-        if self.drain:
-            lst = sorted(lst, key=lambda q: (self.passes.get(q, 0) < MAX_DRAIN_PASSES,
-                                             -remaining_iterations(q, self.chunk), q.arrival_no))
-        return lst
+    def on_idle(self, u):
+        self.active.discard(u)
+        if not self.active:  # nobody waiting or resident: everyone starts level
+            self.floor = max(self.floor, max(self.c.values(), default=0))
 
     def order(self):
-        qs = {u: self.user_order(u) for u in self.wait}
+        qs = {u: sorted(v, key=lambda q: q.arrival_no) for u, v in self.wait.items()}
         local = {u: self.c.get(u, 0) for u in qs}
         out = []
         while qs:
@@ -101,7 +82,7 @@ class Ref:
             u = min(elig, key=lambda u: qs[u][0].arrival_no)
             s = qs[u].pop(0)
             out.append(s)
-            local[u] += cdiv(self.pp * (s.num_prompt_tokens - s.num_prompt_tokens_served) * S, self.weight(u))
+            local[u] += cdiv(self.pp * (s.num_prompt_tokens - s.prompt_charged_tokens) * S, self.weight(u))
             if not qs[u]:
                 del qs[u]
         return out
@@ -120,48 +101,59 @@ def run(seed, steps=300):
     arrival = 0
     waiting = []
     resident = []
+
+    def maybe_idle(u):  # as the scheduler does: on_idle once the user has nothing waiting or resident
+        if not any(q.user_id == u for q in waiting + resident):
+            pol.on_idle(u)
+            ref.on_idle(u)
+
     for step in range(steps):
         op_ = rng.random()
         if op_ < 0.35 or not waiting:
-            s = Seq(rng.choice(users), arrival, rng.randint(1, 200), rng.randint(1, 50))
+            s = make_seq(rng.choice(users), arrival, rng.randint(1, 200), rng.randint(1, 50))
             arrival += 1
             pol.add(s); ref.add(s); waiting.append(s)
         elif op_ < 0.55:
-            # admit: the k-th of the order (backfill) after before_admission
-            resid = rng.choice([0, len(resident), 4 * len(waiting) + rng.randint(0, 5)])
-            pol.before_admission(resid, 64); ref.before_admission(resid)
-            order = list(pol.admission_order())
+            # admit: the k-th of the order (admission may pass candidates that do not fit)
+            order = list(pol.order())
             k = 0 if rng.random() < 0.7 else rng.randrange(len(order))
             s = order[k]
             pol.remove(s); ref.remove(s); waiting.remove(s); resident.append(s)
         elif op_ < 0.65 and resident:
             s = resident.pop(rng.randrange(len(resident)))
-            s.num_prompt_tokens_served = rng.choice([0, rng.randint(0, s.num_prompt_tokens), s.num_prompt_tokens])
+            s.prompt_charged_tokens = rng.choice([0, rng.randint(0, s.num_prompt_tokens), s.num_prompt_tokens])
             if rng.random() < 0.5:
                 s.req.generated = [0] * rng.randint(1, 10)
-            pol.requeue(s); ref.requeue(s); waiting.append(s)
+            waiting.append(s); pol.requeue(s); ref.requeue(s)
         elif op_ < 0.72:
-            s = waiting.pop(rng.randrange(len(waiting)))
-            pol.discard(s); ref.discard(s)
-        elif op_ < 0.85:
-            u = rng.choice(users)
+            s = waiting.pop(rng.randrange(len(waiting)))  # aborted while waiting
+            pol.remove(s); ref.remove(s)
+            maybe_idle(s.user_id)
+        elif op_ < 0.85 and resident:
+            u = rng.choice(resident).user_id  # a user with a request in the batch is charged
             p, o = rng.randint(0, 100), rng.randint(0, 30)
-            pol.on_service(u, p, o); ref.on_service(u, p, o)
+            pol.charge(u, p, o); ref.charge(u, p, o)
         elif resident and op_ < 0.9:
-            resident.pop(rng.randrange(len(resident)))  # finished
+            s = resident.pop(rng.randrange(len(resident)))  # finished (or aborted while resident)
+            maybe_idle(s.user_id)
         # compare
-        if rng.random() < 0.5:
-            resid = rng.choice([0, len(resident), 4 * len(waiting)])
-            pol.before_admission(resid, 64); ref.before_admission(resid)
-        got = list(pol.admission_order())
+        got = list(pol.order())
         exp = ref.order()
         assert len(got) == len(set(map(id, got))), ("dup", seed, step, got)
         assert set(map(id, got)) == set(map(id, waiting)), ("set", seed, step)
+        assert len(pol) == len(waiting), ("len", seed, step)
+        assert pol.floor == ref.floor, ("floor", seed, step, pol.floor, ref.floor)
         for u in users:
-            assert pol.counter(u) == ref.c.get(u, 0), ("counter", seed, step, u, pol.counter(u), ref.c.get(u, 0))
-        assert got == exp, ("order", seed, step, T, ref.drain, got[:10], exp[:10])
+            if u in ref.active:
+                assert pol.counter(u) == ref.c.get(u, 0), ("counter", seed, step, u, pol.counter(u), ref.c.get(u, 0))
+            else:  # an idle user may be forgotten: what its return would start from is the same
+                assert fr.forgettable(pol.counter(u), pol.floor) or pol.counter(u) == ref.c.get(u, 0), \
+                    ("idle counter", seed, step, u, pol.counter(u), ref.c.get(u, 0))
+                assert max(pol.counter(u), pol.floor) == max(ref.c.get(u, 0), ref.floor), ("idle", seed, step, u)
+        assert got == exp, ("order", seed, step, T, got[:10], exp[:10])
+        assert list(pol.resumable()) == sorted(ref.decodes, key=lambda q: q.arrival_no), ("resumable", seed, step)
         # lazy partial consumption equals prefix
-        it = pol.admission_order()
+        it = pol.order()
         k = rng.randint(0, len(exp))
         part = [next(it) for _ in range(k)]
         assert part == exp[:k]

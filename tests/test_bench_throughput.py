@@ -1,5 +1,5 @@
-"""``bench/bench_throughput.py``'s bookkeeping, on fake runs: ``drain_frontier`` (the published seed,
-the best baseline, both goals, the drain settings restored when a run raises), ``ttft_search``
+"""``bench/bench_throughput.py``'s bookkeeping, on fake runs: ``online_frontier`` (the published
+seed, the best baseline, both goals, the policy table restored when a run raises), ``ttft_search``
 (bounds the largest TTFT, keeps nothing over the limit) and ``AgedLPT``'s order. These pin what
 the end-to-end tests in ``test_bench.py`` cannot tell apart."""
 from __future__ import annotations
@@ -10,7 +10,6 @@ from conftest import ScriptedBackend, make_req
 
 import bench
 import bench_throughput as bt
-from batch.policies import policy
 from scheduler import Scheduler
 
 
@@ -19,7 +18,7 @@ class _FakeCell:
         self.frac, self.ttft_s, self.metrics = frac, ttft_s, {"ttft_p99_s": p99_s}
 
 
-#: Batch on each fake seed of ``drain_frontier``: (fraction of the bound, TTFT p99 / best baseline's).
+#: Batch on each fake seed of ``online_frontier``: (fraction of the bound, TTFT p99 / best baseline's).
 _SEEDS = [(0.90, 1.00), (0.96, 1.05), (0.96, 1.20), (0.94, 1.00), (0.97, 1.08), (0.99, 1.30)]
 
 
@@ -37,34 +36,30 @@ def _frontier_cell(w, name, **_):
     return _FakeCell(frac, np.zeros(1), 2.0 * ratio)
 
 
-def test_drain_frontier_reads_the_published_seed_the_best_baseline_and_both_goals(monkeypatch):
+def test_online_frontier_reads_the_published_seed_the_best_baseline_and_both_goals(monkeypatch):
     monkeypatch.setattr(bt, "_seed_cases", lambda n, names: [("ab-burst", lambda s=s: s) for s in range(n)])
     _fake_bench(monkeypatch, _frontier_cell)
-    monkeypatch.setattr(bt, "FRONTIER_SHARES", (policy.DRAIN_SHARE,))
-    monkeypatch.setattr(bt, "FRONTIER_PASSES", (policy.MAX_DRAIN_PASSES,))
     monkeypatch.setattr(bt, "AGED_LPT_BETAS_S", ())
     assert bt._workload("ab-burst").seed == 4
-    row = [c.strip() for c in bt.drain_frontier(n_seeds=6)[2].split("|")[1:-1]]
+    lines = bt.online_frontier(n_seeds=6)
+    assert len(lines) == 3  # the header, its rule, Batch's row
+    row = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert row[:2] == ["Batch", "shipped"]
     assert row[2:] == ["0.9533", "1.105x", "1.30x", "0.970 at 1.08x", "2 of 6"]
 
 
-def test_drain_frontier_restores_the_drain_settings_and_the_policy_table_when_a_run_raises(monkeypatch):
-    shipped = policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES
+def test_online_frontier_restores_the_policy_table_when_a_run_raises(monkeypatch):
     monkeypatch.setattr(bt, "_seed_cases", lambda n, names: [("ab-burst", lambda: 0)])
 
     def raising(w, name, **kw):
-        if name in bench.BASELINES:
+        if name != "aged":
             return _frontier_cell(w, name)
         raise RuntimeError("run failed")
 
     _fake_bench(monkeypatch, raising)
-    monkeypatch.setattr(bt, "FRONTIER_SHARES", ((2, 1),))
+    monkeypatch.setattr(bt, "AGED_LPT_BETAS_S", (0.002,))
     with pytest.raises(RuntimeError, match="run failed"):
-        bt.drain_frontier(n_seeds=1)
-    assert (policy.DRAIN_SHARE, policy.MAX_DRAIN_PASSES) == shipped
-    monkeypatch.setattr(bt, "FRONTIER_SHARES", ())
-    with pytest.raises(RuntimeError, match="run failed"):
-        bt.drain_frontier(n_seeds=1)
+        bt.online_frontier(n_seeds=1)
     assert "aged" not in bench.POLICIES
 
 
@@ -85,7 +80,7 @@ def _search_cell(outlier_s):
 def _fake_search(monkeypatch, outlier_s) -> None:
     w = bt.replace(bt._workload("ab-burst"), build=lambda: [make_req(f"r{i}") for i in range(12)])
     monkeypatch.setattr(bt, "_workload", lambda name: w)
-    monkeypatch.setattr(bt, "_RankedPolicy", lambda known, rank, backfill: rank)
+    monkeypatch.setattr(bt, "_RankedPolicy", lambda known, rank: rank)
     monkeypatch.setattr(bt, "Scheduler", lambda policy, **kw: policy)
     _fake_bench(monkeypatch, _search_cell(outlier_s))
 
@@ -119,4 +114,4 @@ def test_aged_lpt_orders_each_users_queue_by_arrival_minus_beta_per_remaining_it
     for rid, at_s, max_tokens in (("a", 0.0, 5), ("b", 0.1, 50), ("c", 0.2, 20)):  # 1 prompt chunk each
         now["s"] = at_s
         s.submit(make_req(rid, n_prompt=10, max_tokens=max_tokens))
-    assert [q.request_id for q in s.policy.admission_order()] == want
+    assert [q.request_id for q in s.policy.order()] == want

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import bench
+from batch.policies.policy import FCFSPolicy
+from batch.sim.baselines import StaticBatchScheduler
 from batch.sim.workloads import Workload
 from inference_stub import Request
 
@@ -87,8 +89,14 @@ def test_ramp_term_sets_the_bound_when_the_cache_cannot_fill_yet():
     assert b.min_duration_s > b0.min_duration_s
 
 
+class _StaticFCFS(FCFSPolicy):
+    """FCFS under a class the spec's reference tick does not model: ``StaticBatchScheduler``
+    admits only into an empty batch, on purpose not the rules' plan (the other invariants run)."""
+
+
 @pytest.mark.slow
-def test_no_policy_beats_the_bound_where_the_ramp_term_sets_it():
+def test_no_policy_beats_the_bound_where_the_ramp_term_sets_it(monkeypatch):
+    monkeypatch.setitem(bench.POLICIES, "Static", lambda **kw: StaticBatchScheduler(policy=_StaticFCFS(), **kw))
     rng = random.Random(1)
     binding = 0
     for i in range(6):

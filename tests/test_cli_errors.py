@@ -1,20 +1,26 @@
-"""Bad input to the main job ends with one error line, never a traceback or a hang (issue 15).
+"""Bad input to the main job ends with one error line, never a traceback or a hang (issues 15, 26).
 
 ``python -m batch`` runs in a subprocess with a timeout, so an input that used to loop for ever
 (a trace row with ``arrival_s=nan``) fails the test instead of hanging it. The trace loader and
 ``run_workload`` are also checked directly: a non-finite or negative arrival is a ``ValueError``
-naming where it came from.
+naming where it came from. A bad argument is one ``batch: error:`` line, no usage block; a
+workload of no requests says there was nothing to run; the progress bar shows on a terminal once
+a run lasts 2 s.
 """
 from __future__ import annotations
 
 import math
+import os
+import pty
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from batch.sim import traces
+import request_gen
+from batch.sim import simulate, traces
+from conftest import NOT_APPLICABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "arrival_s,prompt_tokens,output_tokens,user_id\n"
@@ -34,17 +40,36 @@ def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout_s)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:
-    """Non-zero exit; stderr is argparse's usage then one ``simulate: error:`` line naming ``words``."""
-    assert proc.returncode != 0, proc.stdout
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert lines, "nothing on stderr"
-    last = lines[-1]
-    assert last.startswith("simulate: error: "), proc.stderr
-    assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), proc.stderr  # usage only above it
+def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str, prog: str = "batch") -> None:
+    """Exit status 2, nothing on stdout; stderr is one ``batch: error:`` line naming ``words``
+    and nothing else (no usage block)."""
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{prog}: error: "), proc.stderr
     for word in words:
-        assert word in last, (word, last)
+        assert word in lines[0], (word, lines[0])
+
+
+def run_cli_on_a_terminal(*args: str, timeout_s: float = 60) -> tuple[int, str, str]:
+    """``python -m batch ARGS`` with stderr on a pseudo-terminal (as in a shell) and stdout piped:
+    ``(exit status, stdout, what the terminal showed)``."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "batch", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=slave, text=True)
+    os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    out = proc.stdout.read()
+    return proc.wait(timeout=timeout_s), out, shown.decode(errors="replace")
 
 
 # ---- the trace loader ----------------------------------------------------------------------
@@ -138,7 +163,7 @@ def test_cli_nonsense_device_is_one_line_error():
 def test_cli_cuda_without_cuda_is_one_line_error():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+        pytest.skip(NOT_APPLICABLE + "this machine has CUDA")
     assert_one_line_error(run_cli("--backend", "model", "--device", "cuda"), "'cuda'", "CUDA")
 
 
@@ -150,6 +175,83 @@ def test_resolve_device_refuses_names_that_are_no_usable_device(device):
     with pytest.raises(model_backend.DeviceError, match=repr(device)):
         model_backend.resolve_device(device)
     assert issubclass(model_backend.DeviceError, ValueError)
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--bogus",), ("unrecognized arguments: --bogus",)),
+    (("--n", "x"), ("--n", "'x'")),
+    (("--n", "-1"), ("--n", "'-1'")),
+    (("--clock", "fast"), ("--clock", "'fast'")),
+    (("--backend", "model", "--clock", "virtual"), ("--backend model", "real clock")),
+])
+def test_a_bad_argument_is_one_line_naming_batch_without_the_usage_block(args, words):
+    assert_one_line_error(run_cli(*args), *words)
+
+
+def test_the_batch_sim_subcommand_names_itself_in_its_one_error_line(capsys):
+    from batch import commands  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        commands.main(["sim", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "batch sim: error: unrecognized arguments: --bogus\n"
+
+
+def test_help_still_prints_the_usage_under_the_name_batch():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: batch "), proc.stdout
+
+
+@pytest.mark.parametrize("args,why", [
+    (("--n", "0"), "--n 0 asks for no requests"),
+    (("--n", "0", "--json"), "--n 0 asks for no requests"),
+    (("--trace", "TRACE", "--limit", "0"), "--limit 0 asks for no trace rows"),
+    (("--trace", "EMPTY"), "has no rows"),
+])
+def test_no_requests_says_there_was_nothing_to_run_and_exits_0(tmp_path, args, why):
+    trace, empty = write_trace(tmp_path, "1,10,5,"), tmp_path / "empty.csv"
+    empty.write_text(HEADER)
+    args = [{"TRACE": str(trace), "EMPTY": str(empty)}.get(a, a) for a in args]
+    proc = run_cli(*args)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout  # no table of zeros, no JSON of them
+    assert proc.stderr.startswith("batch: nothing to run: ") and why in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+# ---- the progress bar --------------------------------------------------------------------------
+
+
+def test_run_workload_shows_no_bar_for_a_run_shorter_than_the_delay(capsys):
+    simulate.run_workload(request_gen.stream(n=5, lam=50.0, seed=1), virtual=True, progress=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_run_workload_shows_the_bar_once_the_delay_has_passed(capsys, monkeypatch):
+    monkeypatch.setattr(simulate, "PROGRESS_DELAY_S", 0.0)
+    simulate.run_workload(request_gen.stream(n=5, lam=50.0, seed=1), virtual=True, progress=True)
+    assert "5/5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_of_more_than_2_s_shows_the_bar_on_a_terminal():
+    """20 requests at 5 a second on the real-time stub: the last arrives 3.3 s in."""
+    assert max(r.submitted_at for r in request_gen.stream(n=20, lam=5.0, seed=42)) > 3
+    status, out, shown = run_cli_on_a_terminal("--n", "20", "--rate", "5")
+    assert status == 0 and out.startswith("Batch on request_gen.stream(n=20"), out
+    assert "20/20" in shown and "req/s" in shown, shown
+
+
+def test_a_short_run_shows_no_bar_on_a_terminal():
+    status, out, shown = run_cli_on_a_terminal("--clock", "virtual", "--n", "5")
+    assert status == 0 and "requests finished                  5" in out
+    assert shown == "", shown
+
+
+@pytest.mark.slow
+def test_a_run_of_more_than_2_s_shows_no_bar_when_stderr_is_not_a_terminal():
+    proc = subprocess.run([sys.executable, "-m", "batch", "--n", "20", "--rate", "5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
 def test_a_reader_closing_the_output_early_ends_the_run_quietly():

@@ -50,9 +50,11 @@ def test_a_replaced_rule_reaches_the_caller_unchanged(monkeypatch):
 
 
 def test_a_compiled_rule_calls_the_compiled_forms_of_the_rules_it_uses():
-    f = COMPILED[fairness_rules.streak_after]
-    assert f.__globals__["next_streak"] is COMPILED[fairness_rules.next_streak]
-    assert f(3, True, False) == 4 and f(3, True, True) == 0 and f(3, False, False) == 0
+    f = COMPILED[rules.growth_blocks]
+    assert f.__globals__["blocks_needed"] is COMPILED[rules.blocks_needed]
+    assert COMPILED[rules.blocks_needed].__globals__["blocks_for"] is COMPILED[rules.blocks_for]
+    # 33 tokens + the lookahead slot need 3 blocks of 16: 1 more than 2 held; none past what is held
+    assert f(2, 33, 16) == 1 and f(4, 33, 16) == 0
 
 
 def test_a_rule_whose_callee_was_replaced_runs_in_its_source_form(monkeypatch):

@@ -72,7 +72,7 @@ def test_numpy_integer_eos_and_vocab_size_are_accepted_as_before_the_knob_checks
     np = pytest.importorskip("numpy")
     b = ScriptedBackend(eos_at={"e": 3})
     s = Scheduler(backend=b, eos_token_id=np.int64(0), vocab_size=np.int64(64))
-    assert type(s.eos_token_id) is int and type(s.vocab_size) is int
+    assert type(s.config.eos_token_id) is int and type(s.vocab_size) is int
     r = make_req("e", max_tokens=10)
     s.submit(r)
     assert drain(s) == [r] and len(r.generated) == 3 and r.generated[-1] == 0
@@ -112,11 +112,11 @@ def test_stream_takes_numpy_numbers_as_before_its_argument_checks():
                                   ["--kv-cap-blocks", "0"], ["--eos-probability", "2"], ["--limit", "-1"]])
 def test_main_job_refuses_bad_arguments_with_a_usage_error(argv, capsys):
     """``python -m batch --trace missing.csv`` or ``--rate 0`` ended in a traceback (FileNotFoundError,
-    ZeroDivisionError); ``--rate -1`` ran with negative arrival offsets. Now argparse's usage error."""
+    ZeroDivisionError); ``--rate -1`` ran with negative arrival offsets. Now one ``batch: error:`` line."""
     from batch import cli
     with pytest.raises(SystemExit) as e:
         cli.main(argv + ["--no-progress", "--clock", "virtual"])
-    assert e.value.code == 2 and "simulate: error:" in capsys.readouterr().err
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("batch: error:")
 
 
 def test_ab_burst_with_ids_repeated_across_users_runs_every_request():
@@ -130,4 +130,4 @@ def test_ab_burst_with_ids_repeated_across_users_runs_every_request():
         s.submit(r)
     done = drain(s)
     assert sorted(map(id, done)) == sorted(map(id, reqs))
-    assert all(len(r.generated) == r.max_tokens for r in reqs) and not s._by_id
+    assert all(len(r.generated) == r.max_tokens for r in reqs) and not s.state.by_id

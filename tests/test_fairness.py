@@ -3,17 +3,17 @@
 Every scenario runs on the virtual clock or a scripted backend and asserts behaviour (who is
 admitted when, TTFT ratios in simulated time, counts of preemptions and sit-outs), never wall time.
 """
-import math
+import functools
 import statistics
 
 import pytest
 from conftest import ScriptedBackend, StepClock, drain, make_req
 
 import bench_fairness as bf
-from batch.core.isolation import Isolation, LatencyModel
-from batch.policies.policy import FCFSPolicy, RoundRobinPolicy, VTCPolicy
+from batch.policies.policy import FCFSPolicy
+from batch.policies.roundrobin import RoundRobinPolicy
+from batch.policies.vtc import VTCPolicy
 from batch.sim import simulate
-from inference_stub import SimulatedGPU, VirtualClock
 from scheduler import Scheduler
 from spec import fairness_rules as fr
 
@@ -45,8 +45,9 @@ def ratio_b(seed, spread, **kw):
 # ---------------------------------------------------------------- the seed's A/B burst
 
 
-@pytest.mark.parametrize("spread", [False, True], ids=["all-before-first-tick", "spread-over-1s"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed, spread", [
+    pytest.param(seed, spread, id=f"{seed}-{'spread-over-1s' if spread else 'all-before-first-tick'}")
+    for seed in (0, 1, 2) for spread in (False, True)])
 def test_ab_burst_b_median_ttft_within_1_5x_of_b_alone(seed, spread):
     ratio, res = ratio_b(seed, spread)
     assert ratio <= 1.5
@@ -57,10 +58,10 @@ def test_ab_burst_b_median_ttft_within_1_5x_of_b_alone(seed, spread):
 
 @pytest.mark.parametrize("spread", [False, True])
 def test_ab_burst_a_throughput_within_5_percent_of_fcfs(spread):
-    fair = run(bf.ab_burst(0, spread=spread))
+    fair = run(bf.ab_burst(0, spread=spread), make_scheduler=bf.RecordingScheduler)
     fcfs = run(bf.ab_burst(0, spread=spread), policy=FCFSPolicy())
     assert bf.user_throughput(fair, "A") >= 0.95 * bf.user_throughput(fcfs, "A")
-    assert fair.scheduler.isolation.isolated_ticks > 0  # isolation did run
+    assert fair.scheduler.isolated_ticks > 0  # isolation did run
 
 
 def test_isolation_is_what_protects_b_at_once():
@@ -78,8 +79,9 @@ def test_flooding_user_cannot_push_another_users_ttft_above_the_bound():
     alone = run([r for r in bf.flood(0, n_flood=1500, others=("B",), rate_per_s=4.0, horizon_s=20.0)
                  if r.user_id == "B"])
     s = res.scheduler
-    work = -(-120 // s.prefill_chunk_tokens) + 40  # B's prompts <= 120 tokens, max_tokens <= 40
-    bound = fr.admission_wait_bound(s.aging_ticks, s.isolation.max_sit_out_ticks, work)
+    work = -(-120 // s.config.prefill_chunk_tokens) + 40  # B's prompts <= 120 tokens, max_tokens <= 40
+    # in all ticks, isolated ones included: T + (K + 1) L + 1
+    bound = s.config.aging_ticks + fr.ticks_to_drain_bound(s.config.max_sit_out_ticks, work) + 1
     assert 0 < bf.max_wait_ticks(res, ("B",)) <= bound
     assert bf.median_ttft(res.finished, "B") <= 1.5 * bf.median_ttft(alone.finished, "B")
     assert sum(r.user_id == "A" for r in res.finished) == 1500
@@ -95,10 +97,8 @@ def test_returning_user_takes_no_more_than_its_fair_share():
 class NoLift(VTCPolicy):
     """VTC without the counter lift (plain least-counter-first): idle time banks credit."""
 
-    def _activate(self, user):  # the returning user keeps its old (low) counter
-        self._user_no.setdefault(user, len(self._user_no))
-        self._ver[user] = self._ver.get(user, 0) + 1
-        self._push(user)
+    def lift(self, user):  # the returning user keeps its old (low) counter, the floor stays
+        self._active.add(user)
 
 
 def test_without_the_lift_a_returning_user_takes_more_than_its_share():
@@ -112,7 +112,8 @@ def test_weights_divide_service_two_to_one_while_both_backlogged():
     for r in reqs:
         r.user_id = "heavy" if r.user_id == "mixed" else "light"
         r.prompt, r.max_tokens = r.prompt[:60], max(5, min(r.max_tokens, 40))
-    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler, policy=VTCPolicy(weights={"heavy": 2}))
+    raw = functools.partial(bf.RecordingScheduler, weights={})  # record raw (unweighted) service
+    res = run(reqs, record_itl=False, make_scheduler=raw, policy=VTCPolicy(weights={"heavy": 2}))
     acc = {"heavy": 0.0, "light": 0.0}
     prev = None
     for _, svc, backlogged in res.scheduler.trace:
@@ -219,17 +220,17 @@ def test_preempted_request_keeps_its_place_ahead_of_later_arrivals_of_its_user()
     for q in seqs:
         p.add(q)
     p.remove(seqs[0])
-    p.remove(seqs[2])  # backfill admitted a younger one
+    p.remove(seqs[2])  # a younger one was admitted (resume-first, room-making)
     p.requeue(seqs[2])
     p.requeue(seqs[0])
     p.add(_FakeSeq("u", 9))
-    assert [q.arrival_no for q in p.admission_order()] == [0, 1, 2, 3, 9]
+    assert [q.arrival_no for q in p.order()] == [0, 1, 2, 3, 9]
     rr = RoundRobinPolicy()
     for q in seqs:
         rr.add(q)
     rr.remove(seqs[1])
     rr.requeue(seqs[1])
-    assert [q.arrival_no for q in rr.admission_order()] == [0, 1, 2, 3]
+    assert [q.arrival_no for q in rr.order()] == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------- no starvation: aging
@@ -240,7 +241,7 @@ def _long_amid_small(aging_ticks, ticks_of_stream=120, **kw):
     cache; user x's 300-token prompt (19 blocks) arrives at tick 10, when the cache is full.
     Returns (scheduler, x, x's submit tick, x's admission tick)."""
     s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=32, aging_ticks=aging_ticks,
-            policy=VTCPolicy(backfill=True), isolation=False, **kw)
+            isolation=False, **kw)
     x = make_req("x", user="x", n_prompt=300, max_tokens=4)
     t = 0
     for t in range(ticks_of_stream):
@@ -255,18 +256,11 @@ def _long_amid_small(aging_ticks, ticks_of_stream=120, **kw):
 
 
 def test_long_request_amid_small_ones_is_admitted_within_the_aging_bound():
-    s, x, submitted, admitted = _long_amid_small(aging_ticks=5)
+    _, x, submitted, admitted = _long_amid_small(aging_ticks=5)
     work = 1 + 12  # a small request: one prefill chunk and 12 output tokens
-    bound = fr.admission_wait_bound(5, 0, work)  # no isolation: nothing sits out (K = 0)
+    bound = fr.admission_wait_bound(5, work)  # no isolation: every tick counts
     assert admitted - submitted <= bound
     assert len(x.generated) == 4
-    passed = [p for p in s.plans[submitted:admitted] if any(b.admitted for b in p.batch)]
-    assert passed  # small requests did backfill past x before its reservation
-
-
-def test_without_aging_backfill_starves_the_long_request():
-    _, _, submitted, admitted = _long_amid_small(aging_ticks=10 ** 6)
-    assert admitted - submitted > fr.admission_wait_bound(5, 0, 13)  # the bound above is not free
 
 
 # ---------------------------------------------------------------- the reservation holder before TTFT isolation
@@ -292,7 +286,7 @@ def _reserved_heavy_request(num_heavy: int, num_aborted: int) -> tuple[Scheduler
     s.submit(r)
     for _ in range(3):
         s.tick()
-    assert s._reserved is not None and s._reserved.req is r and s.pool.num_free < 10
+    assert s.state.reserved is not None and s.state.reserved.req is r and s.pool.num_free < 10
     for i in range(num_aborted):
         s.abort(f"h{i}")
     assert s.pool.num_free >= 10  # r fits now
@@ -313,16 +307,15 @@ def test_the_reservation_holder_that_fits_is_admitted_before_anyone_isolation_pr
     s.submit(make_req("t", "light", light_prompt_tokens, 5))
     s.tick()
     assert any(q.req is r for q in s.running), how
-    assert s._reserved is None, how
+    assert s.state.reserved is None, how
 
 
-# ---------------------------------------------------------------- isolation: sit-out bound, latency model
+# ---------------------------------------------------------------- isolation: sit-out bound
 
 
 def test_sit_out_lasts_at_most_k_consecutive_iterations():
     k = 3
-    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=2048,
-            isolation=Isolation(max_sit_out_ticks=k))
+    s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=2048, max_sit_out_ticks=k)
     for i in range(20):
         s.submit(make_req(f"a{i}", user="A", n_prompt=10, max_tokens=400))
     s.tick()
@@ -341,115 +334,23 @@ def test_sit_out_lasts_at_most_k_consecutive_iterations():
     assert isolated >= 2 * k
 
 
-class CostScheduler(Spy):
-    """A virtual clock advanced by a given cost of each iteration: ``cost_s(requests, tokens)``."""
-
-    def __init__(self, cost_s, **kw):
-        self.t = 0.0
-        self.cost_s = cost_s
-        super().__init__(clock=lambda: self.t, backend=self._forward, **kw)
-
-    def schedule(self):
-        self._plan = super().schedule()
-        return self._plan
-
-    def _forward(self, batch):
-        self.t += self.cost_s(len(batch), self._plan.num_batched_tokens)
-        return [1 + len(r.generated) % 50 for r in batch]
-
-
-@pytest.mark.parametrize("regime, isolates", [("tokens", False), ("requests", True)])
-def test_isolation_follows_the_learned_latency_model(regime, isolates):
-    """A real GPU's regime (8 ms + 0.02 ms per batched token): a 64-token chunk beside 30 decodes
-    is barely slower than alone, so B's prefill is not isolated; the stub's regime (5 ms + 1 ms
-    per request): it is 5x slower, so it is."""
-    cost = (lambda n, tok: 0.008 + 0.00002 * tok) if regime == "tokens" else (lambda n, tok: 0.005 + 0.001 * n)
-    s = CostScheduler(cost)
-    for i in range(30):
-        s.submit(make_req(f"a{i}", user="A", n_prompt=10 + 5 * i, max_tokens=300))
-    for _ in range(40):  # warm-up: 30 requests every iteration, so the split a / b is not identified
-        s.tick()
-    assert not s.isolation.model.ready
-    before = len(s.plans)
-    for i in range(5):
-        s.submit(make_req(f"b{i}", user="B", n_prompt=150, max_tokens=5))  # 3 chunks each
-    for _ in range(30):
-        s.tick()
-    a, b, c = s.isolation.model.coefficients()
-    ran_isolated = sum(1 for p in s.plans[before:] if p.isolated and p.batch)  # an empty one costs no time
-    if regime == "tokens":
-        assert c == pytest.approx(2e-5, rel=0.05) and a == pytest.approx(8e-3, rel=0.05) and b < 1e-5
-        assert ran_isolated == 1  # one exploratory isolation (it identifies the model), then none
-    else:
-        assert b == pytest.approx(1e-3, rel=0.05) and a == pytest.approx(5e-3, rel=0.05)
-        assert ran_isolated >= 3  # at least every chunk of B's prefill
-
-
-def test_latency_model_recovers_the_stub_and_uses_the_prior_before():
-    m = LatencyModel(min_observations=4)
-    assert not m.ready and m.predict_s(30, 30) == pytest.approx(30 * m.prior_per_request_s)
-    for n, tok in [(1, 64), (5, 200), (30, 30), (31, 94), (12, 140), (40, 40)]:
-        m.observe(n, tok, 0.005 + 0.001 * n)
-    a, b, c = m.coefficients()
-    assert a == pytest.approx(0.005, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3) and c < 1e-7
-    assert m.predict_us(31, 94) == 36000 and m.predict_us(0, 0) == 0
-
-
-def _fit(m: LatencyModel) -> None:
-    """Observations of 5 ms + 1 ms per request + 10 us per token, varied enough to identify the fit."""
-    for i in range(40):
-        n, t = 1 + i % 7, 1 + (i * 13) % 50
-        m.observe(n, t, 0.005 + 0.001 * n + 0.00001 * t)
-
-
-@pytest.mark.parametrize("duration_s", [math.inf, -math.inf, math.nan, -1.0])
-def test_a_non_finite_iteration_duration_does_not_poison_the_latency_model(duration_s):
-    """One infinite iteration duration turned the learned latency model's fit into NaN, clamped to
-    zero for good: every prediction 0 us, so TTFT isolation was judged to pay whatever it cost."""
-    m = LatencyModel()
-    _fit(m)
-    want = m.predict_us(8, 40)
-    assert want == pytest.approx(5000 + 8000 + 400, abs=5)
-    m.observe(3, 3, duration_s)
-    assert m.predict_us(8, 40) == want
-
-
-def test_an_infinite_clock_reading_after_forward_leaves_the_learned_latency_model_intact():
-    """On the simulated GPU (5 ms + 1 ms per request, virtual clock) the scheduler's model still
-    predicts the stub's latency after one tick whose end reads ``inf``."""
-    vc = VirtualClock()
-    gpu = SimulatedGPU(clock=vc, seed=0, eos_probability=0.0)
-    state = {"arm": False, "inf": False}
-
-    def clock() -> float:
-        if state["inf"]:
-            state["inf"] = False
-            return math.inf
-        return vc.now()
-
-    def forward(batch):
-        out = gpu.forward(batch)
-        state["inf"], state["arm"] = state["arm"], False  # the tick's reading right after forward
-        return out
-
-    s = Scheduler(backend=forward, clock=clock)
-    for i in range(30):  # batches of varied size and tokens identify the fit
-        s.submit(make_req(f"a{i}", user="A", n_prompt=10 + 7 * i, max_tokens=300))
-        s.tick()
-    for _ in range(30):
-        s.tick()
-    model = s.isolation.model
-    assert model.ready and model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
-    state["arm"] = True
-    s.tick()
-    assert model.predict_us(8, 40) == pytest.approx(13_000, abs=5)
-
-
 # ---------------------------------------------------------------- the counter rules
 
 
+class FinalCounters(VTCPolicy):
+    """VTC recording each user's counter when it goes idle (before it may be forgotten)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.final = {}
+
+    def on_idle(self, user_id):
+        self.final[user_id] = self.counter(user_id)
+        super().on_idle(user_id)
+
+
 def test_counter_charges_prompt_once_per_request_and_outputs_at_two():
-    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=6)
+    s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=6, policy=FinalCounters())
     a = make_req("a", user="u1", n_prompt=31, max_tokens=40)
     b = make_req("b", user="u2", n_prompt=31, max_tokens=40)
     s.submit(a)
@@ -457,11 +358,11 @@ def test_counter_charges_prompt_once_per_request_and_outputs_at_two():
     drain(s)
     assert s.metrics()["preemptions"] >= 1  # someone's prompt was recomputed
     for user in ("u1", "u2"):
-        assert s.policy.counter_tokens(user) == 31 * fr.PROMPT_PRICE + 40 * fr.OUTPUT_PRICE
+        assert s.policy.final[user] == (31 * fr.PROMPT_PRICE + 40 * fr.OUTPUT_PRICE) * fr.COUNTER_SCALE
 
 
 def test_users_are_charged_once_per_tick_in_batch_order():
-    """``on_service`` is called once per user per tick, in the order the users' requests sit in
+    """``charge`` is called once per user per tick, in the order the users' requests sit in
     the batch (users with prompt tokens first): a policy sees the same calls in every run (a
     set's order would change with ``PYTHONHASHSEED``)."""
     class Recording(FCFSPolicy):
@@ -469,7 +370,7 @@ def test_users_are_charged_once_per_tick_in_batch_order():
             super().__init__()
             self.calls = []
 
-        def on_service(self, user_id, prompt_tokens, output_tokens):
+        def charge(self, user_id, prompt_tokens, output_tokens):
             self.calls.append((user_id, prompt_tokens, output_tokens))
 
     s = Spy(backend=ScriptedBackend(), clock=StepClock(), policy=Recording())
@@ -487,14 +388,17 @@ def test_users_are_charged_once_per_tick_in_batch_order():
 def test_lift_idle_user_to_the_smallest_backlogged_counter():
     p = VTCPolicy(tolerance_tokens=0)
     p.add(_FakeSeq("a", 0))
-    p.on_service("a", 100, 0)
-    p.add(_FakeSeq("c", 1))  # lifted to a's 100
-    p.on_service("c", 0, 10)  # c: 120
-    p.on_service("b", 10, 0)  # b served earlier: 10, not backlogged
+    p.charge("a", 100, 0)
+    p.add(_FakeSeq("c", 1))  # lifted to a's 100, less one unit
+    p.charge("c", 0, 10)  # c: 120
+    p.charge("b", 10, 0)  # b served earlier: 10, not backlogged
     p.add(_FakeSeq("b", 2))
     assert p.counter("b") == 100 * fr.COUNTER_SCALE - 1  # max(10, min(100, 120) - 0 - 1 unit)
-    assert fr.lifted_counter(500, 100, True, 0) == 500 and fr.lifted_counter(5, 100, False, 0) == 5
-    assert fr.lifted_counter(5, 100, True, 30) == 69 and fr.lifted_counter(90, 100, True, 30) == 90
+
+    def lifted(own, least, others_backlogged, tolerance):  # from a floor of 0
+        return fr.lifted_counter(own, fr.lift_floor(0, least, others_backlogged, tolerance))
+    assert lifted(500, 100, True, 0) == 500 and lifted(5, 100, False, 0) == 5
+    assert lifted(5, 100, True, 30) == 69 and lifted(90, 100, True, 30) == 90
 
 
 def test_weighted_charges_and_rule_functions_on_ints():
@@ -502,9 +406,8 @@ def test_weighted_charges_and_rule_functions_on_ints():
     assert fr.charged_counter(0, 1, 7) == fr.COUNTER_SCALE // 7  # 720720 is divisible by 1..16
     assert fr.new_prompt_tokens(0, 64, 100, 0) == 64 and fr.new_prompt_tokens(0, 64, 100, 100) == 0
     assert fr.new_prompt_tokens(64, 64, 100, 64) == 36
-    assert fr.protected_next(False, 1, 1, 30, 2) and not fr.protected_next(True, 15, 1, 30, 2)
-    assert fr.protected_next(True, 10, 1, 30, 2) and not fr.protected_next(False, 10, 1, 30, 2)  # hysteresis
-    assert fr.over_served(20, 1, 30, 2) and not fr.over_served(15, 1, 30, 2)
+    assert fr.within_share(1, 1, 30, 2, 1, 2) and not fr.within_share(15, 1, 30, 2, 1, 2)  # light: half a share
+    assert not fr.within_share(20, 1, 30, 2) and fr.within_share(15, 1, 30, 2)  # over-served past its share
     assert fr.next_streak(3, True) == 4 and fr.next_streak(3, False) == 0 and not fr.sit_out_allowed(8, 8)
     assert fr.worst_case_blocks(31, 90, 4096, 16) == 8 and fr.pinned(4, 4) and not fr.pinned(3, 4)
     assert fr.vtc_service_gap_bound(1, 199, 2, 99) == 398
@@ -516,22 +419,25 @@ def test_round_robin_takes_one_request_per_user_per_round():
     rr = RoundRobinPolicy()
     for i, u in enumerate("aaabbc"):
         rr.add(_FakeSeq(u, i))
-    assert [q.user_id for q in rr.admission_order()] == list("abcaba")
-    rr.remove(next(iter(rr.admission_order())))  # a admitted: a goes behind b and c
-    assert [q.user_id for q in rr.admission_order()][:3] == list("bca")
+    assert [q.user_id for q in rr.order()] == list("abcaba")
+    rr.remove(next(iter(rr.order())))  # a admitted: a goes behind b and c
+    assert [q.user_id for q in rr.order()][:3] == list("bca")
 
 
 def test_default_scheduler_is_fair_and_fcfs_stays_available():
-    assert isinstance(Scheduler().policy, VTCPolicy) and Scheduler().isolation is not None
-    assert Scheduler(policy=FCFSPolicy()).isolation is None
+    assert isinstance(Scheduler().policy, VTCPolicy) and Scheduler().config.isolation is True
+    assert Scheduler(policy=FCFSPolicy()).config.isolation is False
 
 
 class _FakeSeq:
-    __slots__ = ("user_id", "arrival_no", "num_prompt_tokens", "num_prompt_tokens_served")
+    """What a policy reads of a waiting request (``batch.core.state.Seq``)."""
+
+    __slots__ = ("user_id", "arrival_no", "num_prompt_tokens", "prompt_charged_tokens", "req")
 
     def __init__(self, user, arrival_no, n_prompt=10):
-        self.user_id, self.arrival_no, self.num_prompt_tokens, self.num_prompt_tokens_served = \
+        self.user_id, self.arrival_no, self.num_prompt_tokens, self.prompt_charged_tokens = \
             user, arrival_no, n_prompt, 0
+        self.req = make_req(f"{user}{arrival_no}", user=user, n_prompt=n_prompt)  # nothing generated
 
     @property
     def num_tokens(self):  # no output tokens
@@ -546,13 +452,13 @@ def test_counter_ties_go_by_arrival_and_an_abort_charges_nothing():
     a0, a1, b0 = _FakeSeq("a", 0), _FakeSeq("a", 1), _FakeSeq("b", 2)
     for q in (a0, a1, b0):
         p.add(q)
-    p.discard(a0)  # aborted while waiting: user a was not served
+    p.remove(a0)  # aborted while waiting: user a was not served
     assert p.counter("a") == p.counter("b") == 0
-    assert list(p.admission_order()) == [a1, b0]  # equal counters: the older request first
+    assert list(p.order()) == [a1, b0]  # equal counters: the older request first
     p.remove(a1)
-    p.on_service("a", 1, 0)  # now a is ahead: b first, whatever the arrival order
+    p.charge("a", 1, 0)  # now a is ahead: b first, whatever the arrival order
     p.add(_FakeSeq("a", 3))
-    assert next(iter(p.admission_order())) is b0
+    assert next(iter(p.order())) is b0
 
 
 def test_within_the_tolerance_admission_is_first_come_first_served_and_past_it_by_counter():
@@ -561,11 +467,11 @@ def test_within_the_tolerance_admission_is_first_come_first_served_and_past_it_b
     b = _FakeSeq("b", 3)
     for q in (*a, b):
         p.add(q)
-    p.on_service("a", 0, 40)  # a is 80 weighted tokens ahead of b: within the tolerance
+    p.charge("a", 0, 40)  # a is 80 weighted tokens ahead of b: within the tolerance
     # arrival order while a stays within 100 of b (each admission charges its 10-token prompt)
-    assert list(p.admission_order()) == [a[0], a[1], a[2], b]
-    p.on_service("a", 21, 0)  # 101 ahead: past it, b goes first
-    assert next(iter(p.admission_order())) is b
+    assert list(p.order()) == [a[0], a[1], a[2], b]
+    p.charge("a", 21, 0)  # 101 ahead: past it, b goes first
+    assert next(iter(p.order())) is b
 
 
 def test_a_returning_user_starts_the_tolerance_below_the_least_backlogged_counter():
@@ -573,12 +479,12 @@ def test_a_returning_user_starts_the_tolerance_below_the_least_backlogged_counte
     a0, a1 = _FakeSeq("a", 0), _FakeSeq("a", 1)
     p.add(a0)
     p.add(a1)
-    p.on_service("a", 500, 0)
+    p.charge("a", 500, 0)
     b = _FakeSeq("b", 2)
     p.add(b)  # idle until now, counter 0: lifted to 500 - 100 and one unit, no lower
     assert p.counter("b") == 400 * fr.COUNTER_SCALE - 1
     # a is just past b's band: b goes first, then a's requests in arrival order
-    assert list(p.admission_order()) == [b, a0, a1]
+    assert list(p.order()) == [b, a0, a1]
 
 
 def test_many_users_and_a_deep_queue_share_the_service_evenly():
@@ -589,29 +495,28 @@ def test_many_users_and_a_deep_queue_share_the_service_evenly():
             p.add(_FakeSeq(f"u{u}", n))
             n += 1
     for _ in range(3000):
-        q = next(iter(p.admission_order()))
+        q = next(iter(p.order()))
         p.remove(q)
-        p.on_service(q.user_id, 10, 0)
+        p.charge(q.user_id, 10, 0)
     assert len(p) == n - 3000
-    first = [q.user_id for q, _ in zip(p.admission_order(), range(200))]
+    first = [q.user_id for q, _ in zip(p.order(), range(200))]
     assert len(set(first)) == 200  # one request per user before anyone's second (equal prompts)
-    assert statistics.pstdev([p.counter_tokens(f"u{u}") for u in range(200)]) <= 10
+    assert statistics.pstdev([p.counter(f"u{u}") / fr.COUNTER_SCALE for u in range(200)]) <= 10
 
 
 def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
     z3 = pytest.importorskip("z3")
     s, k, c, u, w, m = z3.Ints("s k c u w m")
-    iso, was, back = z3.Bools("iso was back")
-    for f, args in [(fr.charged_counter, (c, u, w)), (fr.lifted_counter, (c, m, back, k)),
-                    (fr.vtc_eligible, (c, m, k)),
-                    (fr.protected_next, (was, u, w, c, m)), (fr.over_served, (u, w, c, m)),
-                    (fr.light_user, (u, w, c, m)),
+    iso, back = z3.Bools("iso back")
+    for f, args in [(fr.charged_counter, (c, u, w)), (fr.lift_floor, (c, m, back, k)), (fr.lifted_counter, (c, m)),
+                    (fr.idle_floor, (c, m)), (fr.forgettable, (c, m)), (fr.vtc_eligible, (c, m, k)),
+                    (fr.within_share, (u, w, c, m, 1, 2)),
                     (fr.victim_before, (iso, u, k, c, back, w, m, s)), (fr.may_preempt, (u, k, c, m)),
-                    (fr.worst_case_blocks, (u, c, m, w)), (fr.may_backfill_past, (u, k, back)),
-                    (fr.reserved_after, (u, k)), (fr.may_pass_reservation, (u, k)),
-                    (fr.admission_wait_bound, (k, s, u)),
+                    (fr.worst_case_blocks, (u, c, m, w)), (fr.reserved_after, (u, k)),
+                    (fr.admission_wait_bound, (k, u)), (fr.ticks_to_drain_bound, (s, u)),
                     (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
-                    (fr.new_prompt_tokens, (u, c, m, k)), (fr.isolation_pays, (u, c, m, w))]:
+                    (fr.new_prompt_tokens, (u, c, m, k)), (fr.prompt_high_water, (u, c, m, k)),
+                    (fr.sit_out_allowed, (s, k)), (fr.next_streak, (s, iso))]:
         assert isinstance(f(*args), z3.ExprRef), f.__name__
 
     def proved(claim):
@@ -633,13 +538,14 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
                              z3.And(0 <= fr.next_streak(s, iso), fr.next_streak(s, iso) <= k)))
     # Counters never decrease: a charge (units >= 0, weight >= 1) and the lift.
     assert proved(z3.Implies(z3.And(u >= 0, w >= 1), fr.charged_counter(c, u, w) >= c))
-    assert proved(fr.lifted_counter(c, m, back, k) >= c)
+    assert proved(fr.lifted_counter(c, fr.lift_floor(m, u, back, k)) >= c)
+    assert proved(fr.lift_floor(m, u, back, k) >= m)  # the floor only grows
 
 
 def test_isolation_sees_a_light_user_inside_a_burst_s_tolerance_band():
     """With a tolerance, a light user arriving early in a burst sits inside the burst's band and
-    behind its 16 waiting preempted decodes in the admission order; isolation's peek reaches it
-    through every waiting user's head (it waited 69 ticks when the peek read only the first 16)."""
+    behind its 16 waiting preempted decodes in the admission order; TTFT isolation must still reach
+    it (it waited 69 ticks when isolation looked only at the first 16 candidates)."""
     s = Scheduler(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=48,
                   policy=VTCPolicy(tolerance_tokens=4096))
     for i in range(40):
@@ -648,7 +554,7 @@ def test_isolation_sees_a_light_user_inside_a_burst_s_tolerance_band():
     for t in range(100):
         if t == 3:
             s.submit(light)
-            behind = [q.user_id for q in s.policy.admission_order()].index("L")
+            behind = [q.user_id for q in s.policy.order()].index("L")
         s.tick()
         if light.generated:
             break

@@ -105,7 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ helpers
 
     def _submit(self, req):
-        expect = model_accepts(req, self.s.kv_cap_blocks, self.s.block_tokens, self.live)
+        expect = model_accepts(req, self.s.config.kv_cap_blocks, self.s.config.block_tokens, self.live)
         try:
             self.s.submit(req)
         except RequestError:

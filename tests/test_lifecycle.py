@@ -329,7 +329,7 @@ def test_lifecycle_states_follow_the_spec():
     s = new(be, kv_cap_blocks=16)
     a = make_req("a", n_prompt=100, max_tokens=3)
     s.submit(a)
-    seq = s._by_obj[id(a)]
+    seq = s.state.by_obj[id(a)]
     assert seq.state == lc.QUEUED
     s.tick()
     assert seq.state == lc.PREFILLING
@@ -349,7 +349,7 @@ def test_preempted_state_then_resume():
     while s.has_active():
         s.tick()
         for r in (a, b):
-            q = s._by_obj.get(id(r))
+            q = s.state.by_obj.get(id(r))
             if q is not None:
                 seen.add(q.state)
     assert {lc.PREEMPTED, lc.DECODING} <= seen  # 31-token prompts re-prefill within one tick

@@ -146,7 +146,10 @@ def _cold_fairness():
 def test_the_seed_fairness_test_passes_cold_in_both_harness_styles(style):
     """The seed's limit, B's median TTFT with A within 2x of alone, each measurement the first
     thing in a fresh process on the real-time stub (3 seeds; ``bench/cold_fairness.py`` measures
-    20 and the tighter goal, as a benchmark, not a test)."""
+    20 and the tighter goal, as a benchmark, not a test). Over its 20 seeds: worst 1.11 at once
+    and 1.17 when due on a quiet machine (README); with four other test and benchmark processes on
+    the 2 cores (2026-12-02), worst 2.20 (2 seeds of 20 over 2.0) and 1.65 in two runs at once,
+    1.36 when due: real sleeps, so this test can fail on a machine that busy, not on a quiet one."""
     ratios = _cold_fairness().ratios(range(3), style)
     assert max(ratios) <= 2.0, ratios
 

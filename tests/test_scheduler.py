@@ -1,4 +1,6 @@
 """The original workspace's public tests, run against the real-time stub as written there."""
+import dataclasses
+
 from conftest import make_req
 
 import request_gen
@@ -90,6 +92,6 @@ def test_a_request_the_spent_token_budget_cannot_run_neither_grows_nor_preempts(
             break
     assert s.pool.num_free == 0 and growth(r2) > 0 and growth(r1) == 0
     assert s.schedule().preempted  # with budget, r2's growth preempts (FCFS: the newest, r2 itself)
-    s.token_budget_tokens = 1  # r1's decode spends it
+    s.config = dataclasses.replace(s.config, token_budget_tokens=1)  # r1's decode spends it
     plan = s.schedule()
     assert plan.preempted == () and [e.seq for e in plan.batch] == [r1]

@@ -16,7 +16,7 @@ import pytest
 from test_cli_errors import ROOT, assert_one_line_error, run_cli
 
 import request_gen
-from batch.core import metrics
+from batch.core import goodput, metrics
 from batch.sim import simulate
 from inference_stub import Request
 
@@ -76,9 +76,9 @@ def test_goodput_follows_the_slos():
     assert lax["goodput_slo_ms"] == {"ttft": 1e9, "tpot": 1e9, "e2el": 1e9}
 
 
-@pytest.mark.parametrize("policy,policy_class,scheduler_class", [
-    ("fcfs", "FCFSPolicy", "Scheduler"), ("round-robin", "RoundRobinPolicy", "Scheduler"),
-    ("fcfs-reserve", "FCFSPolicy", "ReservationScheduler"), ("static", "FCFSPolicy", "StaticBatchScheduler")])
+@pytest.mark.parametrize("policy,policy_class,scheduler_class", [  # FCFS is the base class Policy (FCFSPolicy = Policy)
+    ("fcfs", "Policy", "Scheduler"), ("round-robin", "RoundRobinPolicy", "Scheduler"),
+    ("fcfs-reserve", "Policy", "ReservationScheduler"), ("static", "Policy", "StaticBatchScheduler")])
 def test_policy_flag_chooses_the_admission_policy(policy, policy_class, scheduler_class):
     out = run_json("--policy", policy)
     assert (out["policy"], out["policy_class"], out["scheduler_class"]) == (policy, policy_class, scheduler_class)
@@ -89,7 +89,7 @@ def test_human_output_has_the_new_rows_and_explains_gpu_utilization():
     proc = run_cli(*SMALL, "--policy", "fcfs")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert out.startswith("Batch on") and "policy FCFSPolicy (--policy fcfs)" in out
+    assert out.startswith("Batch on") and "policy fcfs (--policy fcfs)" in out
     for row in ("request throughput (req/s)", "goodput (req/s meeting the SLOs)", "TTFT mean / p50 / p90 / p95 / p99",
                 "TPOT mean / p50 / p90 / p95 / p99", "ITL mean / p50 / p90 / p95 / p99",
                 "e2e mean / p50 / p90 / p95 / p99", "gpu_busy_fraction"):
@@ -130,7 +130,7 @@ def test_summary_keeps_the_contract_keys_and_adds_ordered_percentiles():
     assert m["request_throughput"] == pytest.approx(m["requests_finished"] / m["duration_s"])
     assert m["prompt_tokens"] == sum(len(r.prompt) for r in res.finished)
     # the per-request latencies goodput uses are the ones the recorder measured
-    lat = [metrics.request_latencies(r) for r in res.completed()]
+    lat = [goodput.request_latencies(r) for r in res.completed()]
     assert metrics._pct(sorted(x[0] for x in lat), 90) == pytest.approx(m["ttft_p90_s"])
     assert metrics._pct(sorted(x[2] for x in lat), 95) == pytest.approx(m["e2e_p95_s"])
 
@@ -141,23 +141,23 @@ def test_slo_and_request_latencies_follow_vllm():
     three = Request(user_id="u", prompt=[1], max_tokens=3, request_id="three", submitted_at=0.0)
     three.started_at, three.completed_at, three.generated = 0.2, 0.6, [1, 2, 3]
     pending = Request(user_id="u", prompt=[1], max_tokens=3, request_id="pending", submitted_at=0.0)
-    assert metrics.request_latencies(one) == (0.5, 0.0, 0.5)  # one token: TPOT 0, as vLLM
-    assert metrics.request_latencies(three) == pytest.approx((0.2, 0.2, 0.6))
-    assert metrics.request_latencies(pending) is None
-    assert metrics.SLO(ttft_s=0.5, tpot_s=0.2).met(0.5, 0.2, 99.0)  # at the objective is within it
-    assert not metrics.SLO(ttft_s=0.5, e2el_s=0.55).met(0.2, 0.2, 0.6)
-    assert metrics.good_requests([one, three, pending], metrics.SLO(ttft_s=0.3)) == 1
-    assert metrics.good_requests([one, three, pending], metrics.SLO()) == 2
-    assert metrics.SLO(tpot_s=0.05).as_ms() == {"tpot": 50.0}
+    assert goodput.request_latencies(one) == (0.5, 0.0, 0.5)  # one token: TPOT 0, as vLLM
+    assert goodput.request_latencies(three) == pytest.approx((0.2, 0.2, 0.6))
+    assert goodput.request_latencies(pending) is None
+    assert goodput.SLO(ttft_s=0.5, tpot_s=0.2).met(0.5, 0.2, 99.0)  # at the objective is within it
+    assert not goodput.SLO(ttft_s=0.5, e2el_s=0.55).met(0.2, 0.2, 0.6)
+    assert goodput.good_requests([one, three, pending], goodput.SLO(ttft_s=0.3)) == 1
+    assert goodput.good_requests([one, three, pending], goodput.SLO()) == 2
+    assert goodput.SLO(tpot_s=0.05).as_ms() == {"tpot": 50.0}
 
 
 def test_benchmark_metrics_names_and_units():
     m = simulate.run_workload(request_gen.stream(n=20, lam=20.0, seed=1), virtual=True).scheduler.metrics()
-    out = metrics.benchmark_metrics(m, good_completed=5)
+    out = goodput.benchmark_metrics(m, good_completed=5)
     assert set(out) == VLLM_KEYS
     assert out["median_itl_ms"] == m["itl_p50_s"] * 1e3 and out["p95_tpot_ms"] == m["tpot_p95_s"] * 1e3
     assert out["request_goodput"] == pytest.approx(5 / m["duration_s"])
-    assert metrics.benchmark_metrics(m)["request_goodput"] is None
+    assert goodput.benchmark_metrics(m)["request_goodput"] is None
     assert all(v is None or math.isfinite(v) for v in out.values())
 
 
@@ -177,7 +177,7 @@ def test_a_request_failed_by_the_retry_policy_is_no_completion_and_not_good():
     res = simulate.run_workload(reqs, make_scheduler=make, virtual=True, eos_probability=0.0)
     assert [r.request_id for r in res.failed] == ["bad"]
     assert [r.request_id for r in res.completed()] == ["a", "c"]
-    assert metrics.good_requests(res.completed(), metrics.SLO()) == 2
+    assert goodput.good_requests(res.completed(), goodput.SLO()) == 2
     assert res.scheduler.metrics()["requests_finished"] == 2
 
 

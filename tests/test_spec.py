@@ -6,7 +6,7 @@ import pytest
 import z3
 from transitions import MachineError
 
-import scheduler
+from batch.core import step
 from spec import diagram, invariants as inv, lifecycle as lc, logic
 
 
@@ -17,10 +17,11 @@ def _edges(machine) -> set[tuple[str, str, str]]:
 
 def test_machine_events_sources_and_destinations_are_the_table():
     table = {(e, s, d) for e, srcs, d in lc.TRANSITIONS for s in srcs}
-    assert _edges(scheduler.MACHINE) == table == _edges(lc.new_machine())
-    assert list(scheduler.MACHINE.events) == list(lc.EVENTS)
-    assert list(scheduler.MACHINE.states) == list(lc.STATES)
-    assert not scheduler.MACHINE.auto_transitions and scheduler.MACHINE.models == []
+    assert _edges(step.MACHINE) == table == _edges(lc.new_machine())
+    assert list(step.MACHINE.events) == list(lc.EVENTS)
+    assert list(step.MACHINE.states) == list(lc.STATES)
+    assert not step.MACHINE.auto_transitions and step.MACHINE.models == []
+    assert step.NEXT == {(e, s): d for e, s, d in table}  # what step.fire moves a record along
 
 
 @pytest.mark.parametrize("event", lc.EVENTS)
@@ -33,11 +34,11 @@ def test_an_event_fires_only_from_its_sources(event):
         r = Rec()
         r.state = state
         if state in sources:
-            scheduler.MACHINE.events[event].trigger(r)
+            step.MACHINE.events[event].trigger(r)
             assert r.state == dict((e, d) for e, _, d in lc.TRANSITIONS)[event]
         else:
             with pytest.raises(MachineError):
-                scheduler.MACHINE.events[event].trigger(r)
+                step.MACHINE.events[event].trigger(r)
 
 
 def test_committed_state_diagram_is_generated_from_the_table():

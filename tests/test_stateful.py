@@ -1,11 +1,14 @@
 """Stateful property tests: Hypothesis drives the real Scheduler beside a deliberately simple
 reference model and checks every spec invariant after every step.
 
-Each run is a program of submits (valid, refused, duplicate), aborts, ticks and runs of
-ticks, over a small KV cache (8-16 blocks) so preemption is frequent, with a backend that
-returns EOS at a chosen output position or never, under FCFS as the proofs model it or under
-the scheduler's default policy (VTC with isolation, pinning and aging). A failure prints the
-program as replayable Python (``state = SchedulerMachine(); state.setup(...); ...``).
+Each run is a program of submits (valid, refused, duplicate), bursts of one user with a light
+user's request behind them, aborts, ticks and runs of ticks, over a small KV cache (8-16
+blocks) so preemption is frequent, with a backend that returns EOS at a chosen output position
+or never, under FCFS as the proofs model it or under the scheduler's default policy (VTC with
+isolation, the headroom, resume-first, pinning and aging). Every tick is also checked against
+the reference tick (``spec/reference.py``, through ``check_invariants``): the plan, the state
+left, VTC's counters, the timestamps. A failure prints the program as replayable Python
+(``state = SchedulerMachine(); state.setup(...); ...``).
 
 Steps per run and runs: ``BATCH_STATEFUL_STEPS`` (200) and ``BATCH_STATEFUL_EXAMPLES`` (50);
 ``make verify`` raises both.
@@ -21,12 +24,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from batch.core.backfill import budget_never_binds
-from batch.core.isolation import Isolation
-from batch.policies.policy import VTCPolicy
+from batch.policies.vtc import VTCPolicy
 from conftest import StepClock
 from inference_stub import Request
-from scheduler import DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
+from scheduler import BackendError, DuplicateRequestError, InvalidRequestError, PromptTooLongError, Scheduler
 from spec import invariants as inv
 from spec import fairness_rules as fr
 from spec import lifecycle as lc
@@ -83,6 +84,14 @@ def tick_changes(state: str) -> set[str]:
     return out
 
 
+def percentile(sorted_xs: list[float], q: float) -> float:
+    """numpy's default (linear interpolation between closest ranks), written out."""
+    pos = (len(sorted_xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
 class RecordingBackend:
     """Deterministic model: EOS as the ``eos_at[rid]``-th output token (never when absent),
     else ``token_at``. Records, per tick, the number of calls and each batch's KV blocks by
@@ -93,13 +102,27 @@ class RecordingBackend:
         self.eos_at: dict[str, int] = {}
         self.calls = 0
         self.batch_blocks: list[int] = []
+        self.fail_next = False  # the next call raises (a backend failure)
 
     def __call__(self, batch: list[Request]) -> list[int]:
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError("planned backend failure")
         self.calls += 1
         self.batch_blocks.append(sum(rules.blocks_for(len(r.prompt) + len(r.generated), self.block_tokens)
                                      for r in batch))
         return [EOS if self.eos_at.get(r.request_id) == len(r.generated) + 1
                 else token_at(r.request_id, len(r.generated) + 1) for r in batch]
+
+
+class RecordingScheduler(Scheduler):
+    """A ``Scheduler`` that keeps the plan of the last tick (the machine's aging count reads it)."""
+
+    last_plan = None
+
+    def schedule(self):
+        self.last_plan = super().schedule()
+        return self.last_plan
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -114,82 +137,68 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched: Scheduler | None = None
         self.step_failed = False  # a step raised: teardown must not tick a broken scheduler
 
-    @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
+    @initialize(cap_blocks=st.one_of(st.integers(8, 16), st.just(48)), block_tokens=st.sampled_from([4, 16]),
                 chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24]),
-                max_running=st.sampled_from([256, 3]), policy=st.sampled_from(["fcfs", "default", "packed"]),
-                short_bounds=st.booleans())
+                max_running=st.sampled_from([256, 3]), policy=st.sampled_from(["fcfs", "default", "packed", "band"]),
+                short_bounds=st.booleans(), prefix_caching=st.booleans())
     def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
-              max_running: int, policy: str, short_bounds: bool) -> None:
+              max_running: int, policy: str, short_bounds: bool, prefix_caching: bool) -> None:
         """``chunk_tokens=0`` means the default chunk, which must be the spec's
         (``rules.PREFILL_CHUNK_TOKENS``, the problem's 64); ``budget_tokens=0`` the default budget
         (the cache's capacity in tokens).
         ``policy``: ``fcfs`` is FCFS as the proofs model it (``spec.verify.FCFS_SOURCE``);
-        ``default`` the scheduler's defaults (VTC with isolation, EASY backfilling, the admission
-        headroom, pinning and aging); ``packed`` VTC with plain backfill and no headroom, which
-        packs the cache and so preempts often, with ``max_preemptions=1`` so that pinned requests
-        sit among the candidates (the defaults preempt rarely in these programs,
-        and user ``a`` weighs 3, so its share is larger and it is often a light user,
-        and the victim choice would go untested). ``short_bounds``: the VTC policies with
+        ``default`` the scheduler's defaults (VTC with isolation, the admission headroom,
+        resume-first, pinning and aging); ``packed`` VTC without the headroom, which packs the
+        cache and so preempts often, with ``max_preemptions=1`` so that pinned requests sit among
+        the candidates, and user ``a`` weighing 3 (its share is larger, so it is often a light
+        user: the victim rule's shield and isolation). ``short_bounds``: the VTC policies with
         ``aging_ticks=2`` and ``max_sit_out_ticks=1`` (so that runs of a few hundred ticks reach
-        the reservation and the sit-out cap)."""
+        the reservation and the sit-out cap). ``band``: VTC with a tolerance band of 8 weighted
+        tokens and user ``b`` weighing 2. ``prefix_caching``: full prompt blocks shared (the prompts
+        here share their prefixes: every prompt is ``1, 2, 3, ...``); the reference tick does not
+        model it, the shared-block invariants are checked on the pool every tick instead."""
         self.step_failed = True  # until set up: teardown must not drain a half-built machine
         self.backend = RecordingBackend(block_tokens)
         self.fcfs = fcfs = policy == "fcfs"
-        knobs = fcfs_kwargs() if fcfs else (
-            {"aging_ticks": 2, "isolation": Isolation(max_sit_out_ticks=1)} if short_bounds else {})
+        knobs = fcfs_kwargs() if fcfs else ({"aging_ticks": 2, "max_sit_out_ticks": 1} if short_bounds else {})
         if policy == "packed":
-            knobs["policy"] = VTCPolicy(backfill=True, admission_headroom=False, easy_backfill=False, weights={"a": 3})
+            knobs["policy"] = VTCPolicy(headroom=False, weights={"a": 3})
             knobs["max_preemptions"] = 1
+        if policy == "band":
+            knobs["policy"] = VTCPolicy(tolerance_tokens=8, weights={"b": 2})
         if chunk_tokens:
             knobs["prefill_chunk_tokens"] = chunk_tokens
-        self.sched = Scheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens,
-                               token_budget_tokens=budget_tokens or None, max_running=max_running,
-                               backend=self.backend, clock=StepClock(), check_invariants=True, **knobs)
+        self.pairs: list[tuple[Request, int]] = []  # what the on_tokens hook received in the last tick
+        self.nonempty_ticks = 0
+        self.sched = RecordingScheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens,
+                                        token_budget_tokens=budget_tokens or None, max_running=max_running,
+                                        backend=self.backend, clock=StepClock(), check_invariants=True,
+                                        on_tokens=self.pairs.extend, prefix_caching=prefix_caching, **knobs)
+        c = self.sched.config
+        if not budget_tokens:  # the default budget: the cache's capacity in tokens (it never binds)
+            assert c.token_budget_tokens == rules.max_model_len_tokens(cap_blocks, block_tokens), \
+                f"the default budget is {c.token_budget_tokens} tokens, the cache holds " \
+                f"{rules.max_model_len_tokens(cap_blocks, block_tokens)}"
         if not chunk_tokens:
-            chunk_tokens = self.sched.prefill_chunk_tokens
+            chunk_tokens = c.prefill_chunk_tokens
             assert chunk_tokens == rules.PREFILL_CHUNK_TOKENS, \
                 f"the default chunk is {chunk_tokens} tokens, the spec's {rules.PREFILL_CHUNK_TOKENS}"
-        s = self.sched
-        self.chunk_eff = min(chunk_tokens, s.token_budget_tokens)
+        self.chunk_eff = min(chunk_tokens, c.token_budget_tokens)
         # The default policy's admission bound (docs/fairness.md section 4) holds where every
         # resident request runs in every iteration it does not sit out: the budget never binds.
-        self.wait_bound_applies = not fcfs and budget_never_binds(
-            s.token_budget_tokens, cap_blocks, block_tokens, max_running, chunk_tokens) and (
-            s.isolation is None or s.isolation.iteration_target_s is None)
-        self.sit_out_cap = s.isolation.max_sit_out_ticks if s.isolation is not None else 0
+        self.wait_bound_applies = not fcfs and c.token_budget_tokens >= min(
+            c.max_running * chunk_tokens, cap_blocks * block_tokens)
+        self.sit_out_cap = c.max_sit_out_ticks if c.isolation else 0
         self.max_work = 0  # the most iterations any accepted request can need (L), so far
         self.holder: object | None = None  # the reservation holder, the tick it took it, its bound
         self.holder_since = self.holder_bound = 0
         self.blocked: dict[int, int] = {}  # id(record) -> ticks it was the plan's first not to fit, while waiting
         self.seq_of: dict[str, object] = {}  # rid -> the scheduler's record, for the lifecycle check
         self.state_of: dict[str, str] = {}  # rid -> its state after the last step
-        self.charged: dict[str, list[int]] = {}  # user -> [prompt, output] tokens charged this tick
-        self.activated: set[str] = set()  # users that became backlogged this tick (a lift may apply)
-        if not fcfs:  # record what the scheduler charges VTC, and when a user's counter may be lifted
-            policy = self.sched.policy
-            on_service, activate = policy.on_service, policy._activate
-
-            def recording_on_service(user_id: str, prompt_tokens: int, output_tokens: int) -> None:
-                acc = self.charged.setdefault(user_id, [0, 0])
-                acc[0] += prompt_tokens
-                acc[1] += output_tokens
-                on_service(user_id, prompt_tokens, output_tokens)
-
-            def recording_activate(user_id: str, *a, **kw):
-                self.activated.add(user_id)
-                return activate(user_id, *a, **kw)
-
-            def checked_choose_victim(running):
-                victim = choose_victim(running)
-                self._check_victim(victim, running)
-                return victim
-
-            choose_victim = policy.choose_victim
-            policy.on_service, policy._activate = recording_on_service, recording_activate
-            policy.choose_victim = checked_choose_victim
         self.ticks = 0
         self.next_id = 0
         self.accepted: dict[str, Request] = {}
+        self.key_of: dict[int, str] = {}  # id(request) -> its key in accepted
         self.returned: set[str] = set()
         self.deadline: dict[str, int] = {}  # rid -> tick by whose end it must have finished
         self.step_failed = False
@@ -200,28 +209,31 @@ class SchedulerMachine(RuleBasedStateMachine):
           prompt_tokens=st.one_of(st.integers(1, 40), st.integers(41, 300)),
           max_tokens=st.one_of(st.integers(0, 12), st.integers(13, 64)),
           eos_at=st.one_of(st.just(0), st.integers(1, 14), st.integers(15, 70)))
-    def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int) -> None:
-        """``eos_at``: the output position at which the backend returns EOS (0: never)."""
+    def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int, request_id: str = "") -> None:
+        """``eos_at``: the output position at which the backend returns EOS (0: never).
+        ``request_id``: shared with other requests (the contract does not make ids unique; such
+        requests never see EOS); by default the request's own key ``r<n>``."""
         s = self.sched
-        rid = f"r{self.next_id}"
+        rid = f"r{self.next_id}"  # the machine's key for the request
         self.next_id += 1
         req = Request(user_id=user, prompt=[1 + i % 63 for i in range(prompt_tokens)], max_tokens=max_tokens,
-                      request_id=rid)
+                      request_id=request_id or rid)
         before = self._observable()
         if max_tokens < 1:
             with pytest.raises(InvalidRequestError):
                 s.submit(req)
-        elif not rules.prompt_fits(prompt_tokens, s.kv_cap_blocks, s.block_tokens):
+        elif not rules.prompt_fits(prompt_tokens, s.config.kv_cap_blocks, s.config.block_tokens):
             with pytest.raises(PromptTooLongError):
                 s.submit(req)
         else:
-            if eos_at:
+            if eos_at and not request_id:
                 self.backend.eos_at[rid] = eos_at
             older = sum(model.fcfs_service_ticks(len(r.prompt), r.max_tokens, self.chunk_eff)
                         for q, r in self.accepted.items() if q not in self.returned)
             s.submit(req)
             self.accepted[rid] = req
-            self.seq_of[rid] = s._by_obj[id(req)]
+            self.key_of[id(req)] = rid
+            self.seq_of[rid] = s.state.by_obj[id(req)]
             self.state_of[rid] = lc.QUEUED
             self.max_work = max(self.max_work, worst_case_iterations(prompt_tokens, max_tokens, self.chunk_eff))
             self.deadline[rid] = self.ticks + older + model.fcfs_service_ticks(prompt_tokens, max_tokens,
@@ -243,6 +255,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         if light:
             self.submit(USERS[(USERS.index(user) + 1) % len(USERS)], 1, max_tokens, 0)
 
+    @precondition(lambda self: self.sched is not None and len(self.accepted) - len(self.returned) <= MAX_IN_FLIGHT_FOR_BURST)
+    @rule(n=st.integers(6, 14), m=st.integers(1, 3), prompt_tokens=st.integers(1, 12), max_tokens=st.integers(8, 64),
+          gap=st.integers(0, 12))
+    def submit_three_users(self, n: int, m: int, prompt_tokens: int, max_tokens: int, gap: int) -> None:
+        """A heavy user (``n`` requests), ``gap`` ticks later a moderate one (``m``, so its requests
+        are the cheapest victims), then one short request of a third, light user: room for the
+        light user may only be made from the users over their share."""
+        for _ in range(n):
+            self.submit(USERS[0], prompt_tokens, max_tokens, 0)
+        for _ in range(gap):
+            self.tick()
+        for _ in range(m):
+            self.submit(USERS[1], prompt_tokens, max_tokens, 0)
+        self.submit(USERS[2], 1, max_tokens, 0)
+
     @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
     @rule(data=st.data())
     def submit_duplicate(self, data: st.DataObject) -> None:
@@ -257,34 +284,46 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
     @rule(data=st.data(), by_id=st.booleans())
     def abort(self, data: st.DataObject, by_id: bool) -> None:
-        live = sorted(q for q in self.accepted if q not in self.returned)
+        live = sorted((q for q in self.accepted if q not in self.returned), key=lambda q: int(q[1:]))
         rid = data.draw(st.sampled_from(live), label="rid")
+        if by_id:  # by request id: the oldest live request with that id
+            rid = next(q for q in live if self.accepted[q].request_id == self.accepted[rid].request_id)
         req = self.accepted[rid]
-        assert self.sched.abort(rid if by_id else req) is req
+        assert self.sched.abort(req.request_id if by_id else req) is req
         assert self.seq_of[rid].state == lc.ABORTED, f"{rid} aborted, in state {self.seq_of[rid].state}"
         self.returned.add(rid)
         g = req.generated
-        assert EOS not in g and g == [token_at(rid, k) for k in range(1, len(g) + 1)]
-        assert self.sched.abort(rid) is None  # once only
+        assert EOS not in g and g == [token_at(req.request_id, k) for k in range(1, len(g) + 1)]
+        assert self.sched.abort(req) is None  # once only
+
+    @precondition(lambda self: self.sched is not None and len(self.accepted) - len(self.returned) <= MAX_IN_FLIGHT_FOR_BURST)
+    @rule(user=st.sampled_from(USERS), n=st.integers(2, 3), prompt_tokens=st.integers(1, 30),
+          max_tokens=st.integers(1, 30))
+    def submit_same_id(self, user: str, n: int, prompt_tokens: int, max_tokens: int) -> None:
+        """``n`` requests sharing one request id (``abort(id)`` must take the oldest live one)."""
+        shared = f"dup{self.next_id}"
+        for _ in range(n):
+            self.submit(user, prompt_tokens, max_tokens, 0, request_id=shared)
 
     @rule()
     def tick(self) -> None:
         calls = self.backend.calls
-        vtc = not self.fcfs
-        if vtc:  # what each request had before the tick, for the charges the spec implies
-            policy = self.sched.policy
-            before = {q: (q.num_computed_tokens, q.num_prompt_tokens_served, len(q.req.generated))
-                      for q in self.sched._by_obj.values()}
-            counters = {u: policy.counter(u) for u in USERS}
-            self.charged, self.activated = {}, set()
+        gen = {rid: len(r.generated) for rid, r in self.accepted.items() if rid not in self.returned}
+        self.pairs.clear()
         self.step_failed = True
         finished = self.sched.tick()
         self.step_failed = False
-        if vtc:
-            self._check_vtc_charges(before, counters)
+        self.nonempty_ticks += self.backend.calls > calls
+        # the on_tokens hook got each token this tick appended, once, in batch order
+        grew = [(rid, self.accepted[rid].generated[-1]) for rid, n in gen.items()
+                if len(self.accepted[rid].generated) > n]
+        got = [(self.key_of[id(r)], tok) for r, tok in self.pairs]
+        assert sorted(got) == sorted(grew) and len(got) == len(set(r for r, _ in got)), \
+            f"on_tokens got {got}, the tick appended {grew}"
         assert inv.one_forward_per_tick(self.backend.calls - calls)
-        if self.backend.calls > calls:
-            assert inv.batch_kv_within_cap([self.backend.batch_blocks[-1]], self.sched.kv_cap_blocks)
+        if self.backend.calls > calls:  # the batch's KV as forward saw it (shared blocks once: the pool's count)
+            used = self.sched.pool.num_used if self.sched.config.prefix_caching else self.backend.batch_blocks[-1]
+            assert inv.batch_kv_within_cap([used], self.sched.config.kv_cap_blocks)
         for r in finished:
             self._check_finished(r)
         self._count_blocked()
@@ -293,6 +332,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_lifecycle(in_tick=True)
         self.default_policy_admission_bound()
         self.preemption_cap_and_aging_hold()
+
+    @precondition(lambda self: self.sched is not None and self.sched.has_active())
+    @rule()
+    def failing_tick(self) -> None:
+        """A tick whose backend raises: ``BackendError``, and nothing changed (blocks, records,
+        tokens, the queue, counters), so the next tick redoes it."""
+        if not self.sched.schedule().seqs:  # an empty batch calls no backend: nothing can fail
+            return
+        before = self._full_state()
+        self.backend.fail_next = True
+        with pytest.raises(BackendError):
+            self.sched.tick()
+        assert self._full_state() == before, "a failed tick changed the scheduler"
 
     @rule(n=st.integers(2, 30))
     def ticks(self, n: int) -> None:
@@ -312,10 +364,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         in_flight = {q for q in self.accepted if q not in self.returned}
         assert self.sched.has_active() == bool(in_flight)
-        assert {s.request_id for s in self.sched._by_obj.values()} == in_flight
+        assert {self.key_of[id(s.req)] for s in self.sched.state.by_obj.values()} == in_flight
         for q in in_flight:  # tokens so far are the backend's tokens, in order, none lost or repeated
-            g = self.accepted[q].generated
-            assert g == [token_at(q, k) for k in range(1, len(g) + 1)], q
+            r = self.accepted[q]
+            assert r.generated == [token_at(r.request_id, k) for k in range(1, len(r.generated) + 1)], q
 
     @invariant()
     def preemption_cap_and_aging_hold(self) -> None:
@@ -324,30 +376,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.sched
         if s is None:
             return
-        for q in s._by_obj.values():
-            assert q.num_preemptions <= s.max_preemptions, f"{q.request_id} preempted {q.num_preemptions} times"
+        for q in s.state.by_obj.values():
+            assert q.num_preemptions <= s.config.max_preemptions, f"{q.request_id} preempted {q.num_preemptions} times"
             blocked = self.blocked.get(id(q), 0)
-            if q.state in WAITING and blocked >= s.aging_ticks:
-                assert s._reserved is not None, f"{q.request_id} blocked {blocked} ticks, no reservation"
+            if q.state in WAITING and blocked >= s.config.aging_ticks:
+                assert s.state.reserved is not None, f"{q.request_id} blocked {blocked} ticks, no reservation"
 
     @invariant()
     def default_policy_admission_bound(self) -> None:
         """The default policy's no-starvation bound, on the code (``docs/fairness.md`` section 4,
         proved on the abstraction by ``no_starvation_aging``): with ``T = aging_ticks``,
         ``K = max_sit_out_ticks`` and ``L`` the most iterations an accepted request can need, no
-        waiting request is the first that does not fit in more than ``admission_wait_bound(T, K,
-        L)`` ticks, and a reservation holder is admitted within ``ticks_to_drain_bound(K, L) + 1``
+        waiting request is the first that does not fit in more than ``admission_wait_bound(T, L)``
+        ticks, and a reservation holder is admitted within ``ticks_to_drain_bound(K, L) + 1``
         ticks of taking the reservation. Where the token budget can bind the bound does not apply
         (a resident request may not run for lack of budget); the drain in ``teardown`` remains."""
         s = self.sched
         if s is None or not self.wait_bound_applies:
             return
-        bound = fr.admission_wait_bound(s.aging_ticks, self.sit_out_cap, self.max_work)
-        for q in s._by_obj.values():
+        bound = fr.admission_wait_bound(s.config.aging_ticks, self.max_work)
+        for q in s.state.by_obj.values():
             blocked = self.blocked.get(id(q), 0)
             if q.state in WAITING:
                 assert blocked <= bound, f"{q.request_id} was the first not to fit in {blocked} ticks, bound {bound}"
-        h = s._reserved
+        h = s.state.reserved
         if h is not self.holder:
             self.holder, self.holder_since = h, self.ticks
             self.holder_bound = fr.ticks_to_drain_bound(self.sit_out_cap, self.max_work) + 1
@@ -359,23 +411,24 @@ class SchedulerMachine(RuleBasedStateMachine):
     def vtc_admission_order(self) -> None:
         """The default policy's admission order is VTC's, as the spec states it: every waiting
         request exactly once; each pick's user is ``vtc_eligible`` (its local counter within the
-        tolerance of the least local counter among users with requests left); outside the drain
-        phase the pick is the oldest arrival among the eligible users' waiting requests; after a
-        pick its user's local counter is charged the request's uncharged prompt at the prompt
-        price (``charged_counter``), so picks interleave users."""
+        tolerance of the least local counter among users with requests left); the pick is the
+        oldest arrival among the eligible users' waiting requests; after a pick its user's local
+        counter is charged the request's uncharged prompt at the prompt price
+        (``charged_counter``), so picks interleave users. (The reference tick checks only the
+        admitted prefix of the order; this checks all of it.)"""
         s = self.sched
         if s is None or self.fcfs:
             return
         policy = s.policy
         left: dict[str, list] = {}
-        for q in s._by_obj.values():
+        for q in s.state.by_obj.values():
             if q.state in WAITING:
                 left.setdefault(q.user_id, []).append(q)
         for qs in left.values():
             qs.sort(key=lambda q: q.arrival_no)
         local = {u: policy.counter(u) for u in left}
         tol = policy.tolerance_tokens * fr.COUNTER_SCALE
-        order = list(policy.admission_order())
+        order = list(policy.order())
         assert sorted(q.arrival_no for q in order) == sorted(q.arrival_no for qs in left.values() for q in qs), \
             "the admission order is not the waiting requests, each once"
         for q in order:
@@ -383,15 +436,45 @@ class SchedulerMachine(RuleBasedStateMachine):
             least = min(local.values())
             assert fr.vtc_eligible(local[u], least, tol), \
                 f"{q.request_id} of {u} picked at local counter {local[u]}, least {least}: {local}"
-            if not policy._drain:
-                eligible = [v for v in left if fr.vtc_eligible(local[v], least, tol)]
-                oldest = min((left[v][0] for v in eligible), key=lambda r: r.arrival_no)
-                assert q is oldest, f"picked {q.request_id}, the oldest eligible is {oldest.request_id}"
+            eligible = [v for v in left if fr.vtc_eligible(local[v], least, tol)]
+            oldest = min((left[v][0] for v in eligible), key=lambda r: r.arrival_no)
+            assert q is oldest, f"picked {q.request_id}, the oldest eligible is {oldest.request_id}"
             left[u].remove(q)
-            local[u] = fr.charged_counter(local[u], policy.prompt_price * (q.num_prompt_tokens - q.num_prompt_tokens_served),
-                                          policy.weight_of(u))
+            local[u] = fr.charged_counter(local[u], policy.prompt_price * (q.num_prompt_tokens - q.prompt_charged_tokens),
+                                          policy.weight(u))
             if not left[u]:
                 del left[u], local[u]
+
+    @invariant()
+    def metrics_agree_with_the_requests(self) -> None:
+        """``metrics()`` is what its definitions give over the requests themselves (vLLM's
+        ``benchmark_serving``): completions, output tokens, throughput over first submit to last
+        completion, mean and p99 e2e latency, TTFT p50/p99 (linear interpolation), and
+        ``gpu_utilization`` as non-empty ticks over ticks (ticks counted by this machine)."""
+        s = self.sched
+        if s is None:
+            return
+        done = [r for q, r in self.accepted.items() if q in self.returned and self.seq_of[q].state == lc.DONE]
+        m = s.metrics()
+        assert m["requests_finished"] == len(done) and m["output_tokens"] == sum(len(r.generated) for r in done)
+        assert m["gpu_utilization"] == pytest.approx(self.nonempty_ticks / self.ticks if self.ticks else 0.0)
+        if not done:
+            return
+        e2e = sorted(r.completed_at - r.submitted_at for r in done)
+        ttft = sorted(r.started_at - r.submitted_at for r in done)
+        span = max(r.completed_at for r in done) - min(r.submitted_at for r in self.accepted.values())
+        tpot = sorted((r.completed_at - r.started_at) / (len(r.generated) - 1) for r in done if len(r.generated) > 1)
+        assert m["throughput_tokens_per_sec"] == pytest.approx(m["output_tokens"] / span)
+        assert m["request_throughput"] == pytest.approx(len(done) / span)
+        assert m["avg_latency_s"] == pytest.approx(sum(e2e) / len(e2e))
+        assert m["tpot_mean_s"] == pytest.approx(sum(tpot) / len(tpot) if tpot else 0.0)
+        for key, xs, q in (("p99_latency_s", e2e, 99), ("e2e_p50_s", e2e, 50), ("ttft_p50_s", ttft, 50),
+                           ("ttft_p99_s", ttft, 99), ("tpot_p50_s", tpot, 50), ("tpot_p99_s", tpot, 99)):
+            assert m[key] == pytest.approx(percentile(xs, q) if xs else 0.0), key
+        # inter-token gaps: each request's gaps add up to its last token's time less its first's
+        gaps = sum((r.completed_at if self.seq_of[q].state == lc.DONE else self.seq_of[q].last_token_s) - r.started_at
+                   for q, r in self.accepted.items() if r.started_at is not None and len(r.generated) > 1)
+        assert m["itl_mean_s"] * len(s.stats.itl_s) == pytest.approx(gaps)
 
     @invariant()
     def lifecycle_follows_the_table(self) -> None:
@@ -420,7 +503,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def fcfs_order_and_deadlines(self) -> None:
         if self.sched is None or not self.fcfs:
             return
-        order = [s.arrival_no for s in self.sched.running] + [s.arrival_no for s in self.sched.policy.admission_order()]
+        order = [s.arrival_no for s in self.sched.running] + [s.arrival_no for s in self.sched.policy.order()]
         assert inv.arrival_ordered(order), f"running + waiting not in arrival order: {order}"
         for q, d in self.deadline.items():
             if q not in self.returned:
@@ -441,86 +524,45 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ helpers
 
     def _check_finished(self, r: Request) -> None:
-        rid = r.request_id
+        rid = self.key_of.get(id(r), r.request_id)
         assert rid in self.accepted and self.accepted[rid] is r, f"{rid} returned but never accepted"
         assert rid not in self.returned, f"{rid} returned twice"
         assert self.seq_of[rid].state == lc.DONE, f"{rid} returned by tick() in state {self.seq_of[rid].state}"
         self.returned.add(rid)
-        g, e = r.generated, self.backend.eos_at.get(rid, 0)
+        g, e = r.generated, self.backend.eos_at.get(r.request_id, 0)
         assert 1 <= len(g) <= r.max_tokens
         if e and e <= len(g):
             assert len(g) == e and g[-1] == EOS, f"{rid}: EOS at {e} but {len(g)} tokens"
         else:
             assert EOS not in g
-            assert len(g) == r.max_tokens or len(r.prompt) + len(g) >= self.sched.max_model_len_tokens
-        assert g[:len(g) - (g[-1] == EOS)] == [token_at(rid, k) for k in range(1, len(g) + 1 - (g[-1] == EOS))]
+            assert len(g) == r.max_tokens or len(r.prompt) + len(g) >= self.sched.config.max_model_len_tokens
+        assert g[:len(g) - (g[-1] == EOS)] == [token_at(r.request_id, k) for k in range(1, len(g) + 1 - (g[-1] == EOS))]
         assert r.submitted_at <= r.started_at <= r.completed_at
-
-    def _check_vtc_charges(self, before: dict, counters: dict[str, int]) -> None:
-        """VTC is charged what the spec says for the tick that just ran: per user, the first-time
-        prompt tokens (``new_prompt_tokens``) and one output per token produced, at the spec's
-        prices (``service_units``, ``charged_counter``); a counter rises further only by a lift
-        of a user that became backlogged in the tick."""
-        plan = self.sched._last_tick[0]
-        want: dict[str, list[int]] = {}
-        if plan is not None:
-            for e in plan.batch:
-                q = e.seq
-                if q not in before:
-                    continue
-                nc, served, gen = before[q]
-                acc = want.setdefault(q.user_id, [0, 0])
-                if nc < q.num_prompt_tokens:
-                    acc[0] += fr.new_prompt_tokens(nc, e.num_new_tokens, q.num_prompt_tokens, served)
-                acc[1] += len(q.req.generated) - gen
-        want = {u: v for u, v in want.items() if v != [0, 0]}
-        got = {u: v for u, v in self.charged.items() if v != [0, 0]}
-        assert got == want, f"VTC charged {got}, the tick served {want}"
-        policy = self.sched.policy
-        for u in USERS:
-            p, o = want.get(u, [0, 0])
-            expect = fr.charged_counter(counters[u], fr.service_units(p, o, fr.PROMPT_PRICE, fr.OUTPUT_PRICE),
-                                        policy.weight_of(u))
-            c = policy.counter(u)
-            assert c == expect or (c > expect and u in self.activated), \
-                f"{u}: counter {c}, the spec's charge gives {expect} (served {p} prompt, {o} output)"
 
     def _count_blocked(self) -> None:
         """Count, from each tick's plan (``plan.blocked``), the ticks a waiting request was the
         first candidate that did not fit, since it last became resident: the aging checks use
         this count, not the scheduler's own ``blocked_ticks``, so a scheduler that stops
         counting cannot switch them off."""
-        plan = self.sched._last_tick[0]
+        plan = self.sched.last_plan
         b = plan.blocked if plan is not None else None
         if b is not None and b.state in WAITING:
             self.blocked[id(b)] = self.blocked.get(id(b), 0) + 1
         for q in self.sched.running:
             self.blocked.pop(id(q), None)
 
-    def _check_victim(self, victim, running) -> None:
-        """The victim is first by ``victim_before``: light users (``light_user`` by the KV blocks
-        ``running`` holds) last, then fewest preemptions, fewest computed tokens, latest admitted;
-        and no candidate is pinned (``fr.pinned``: the preemption cap)."""
-        policy = self.sched.policy
-        blocks: dict[str, int] = {}
-        for q in running:
-            blocks[q.user_id] = blocks.get(q.user_id, 0) + len(q.block_table)
-        total, total_w = sum(blocks.values()), sum(policy.weight_of(u) for u in blocks)
-        light = {u for u, b in blocks.items() if fr.light_user(b, policy.weight_of(u), total, total_w)}
-        assert victim in running, "the victim is not a candidate"
-        cap = self.sched.max_preemptions
-        for q in running:  # pinned requests are never victims: not even offered as candidates
-            assert not fr.pinned(q.num_preemptions, cap), \
-                f"{q.request_id} (preempted {q.num_preemptions} times, cap {cap}) offered as a victim"
-        for q in running:
-            assert not fr.victim_before(q.user_id in light, q.num_preemptions, q.num_computed_tokens, q.admit_no,
-                                        victim.user_id in light, victim.num_preemptions,
-                                        victim.num_computed_tokens, victim.admit_no), \
-                f"victim {victim.request_id}, but {q.request_id} comes before it (light users {sorted(light)})"
+    def _full_state(self) -> tuple:
+        s = self.sched
+        recs = tuple((q.request_id, q.state, q.num_computed_tokens, tuple(q.block_table), q.num_preemptions,
+                      len(q.req.generated), q.admit_no, q.blocked_ticks, q.prompt_charged_tokens)
+                     for q in s.state.by_obj.values())
+        counters = tuple(sorted(getattr(s.policy, "_counter", {}).items()))
+        return (recs, s.pool.num_free, tuple(q.request_id for q in s.policy.order()), counters,
+                s.state.tick_no, s.state.streak, s.state.reserved, s.stats.ticks, s.metrics()["output_tokens"])
 
     def _observable(self) -> tuple:
         s = self.sched
-        return (s.has_active(), s.pool.num_free, len(s.running), len(s.policy), len(s._by_obj))
+        return (s.has_active(), s.pool.num_free, len(s.running), len(s.policy), len(s.state.by_obj))
 
 
 def stateful_settings(steps: int = STEPS, examples: int = EXAMPLES, **kw) -> settings:

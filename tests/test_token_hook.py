@@ -6,6 +6,8 @@ import threading
 import pytest
 
 from conftest import ScriptedBackend, drain, make_req
+
+from batch.policies.policy import FCFSPolicy
 from scheduler import Scheduler
 
 
@@ -55,7 +57,7 @@ def test_hook_runs_outside_the_state_lock_and_may_abort():
     s.submit(make_req("w", "u2", max_tokens=5))
     drain(s)
     assert aborted == [victim] and len(victim.generated) == 1
-    assert s.pool.num_free == s.kv_cap_blocks
+    assert s.pool.num_free == s.config.kv_cap_blocks
 
 
 def test_hook_must_be_callable():
@@ -80,7 +82,7 @@ def test_hook_calling_tick_raises_instead_of_deadlocking():
     t.join(10)
     assert not t.is_alive(), "tick() from the hook deadlocked"
     assert raised and "on_tokens" in str(raised[0])
-    assert not s.has_active() and s.pool.num_free == s.kv_cap_blocks
+    assert not s.has_active() and s.pool.num_free == s.config.kv_cap_blocks
 
 
 def test_a_raising_hook_leaves_the_tick_applied_and_its_finished_in_last_finished():
@@ -99,3 +101,34 @@ def test_a_raising_hook_leaves_the_tick_applied_and_its_finished_in_last_finishe
     s.on_tokens = None
     s.submit(make_req("r1", max_tokens=2))  # the scheduler goes on: the next tick works
     assert [q.request_id for q in drain(s)] == ["r1"]
+
+
+@pytest.mark.parametrize("n_prompt", [65, 129])
+def test_hook_skips_a_prefill_chunk_that_ends_one_token_short_of_the_prompt(n_prompt):
+    """A chunk that leaves exactly one prompt token uncomputed produces no token (65 tokens: 64,
+    then 1); the hook is not called for it (it raised IndexError on the empty ``generated``)."""
+    seen = []
+    s = Scheduler(backend=ScriptedBackend(), on_tokens=seen.extend)
+    r = make_req("r", n_prompt=n_prompt, max_tokens=3)
+    s.submit(r)
+    assert drain(s) == [r] and [t for _, t in seen] == r.generated and len(r.generated) == 3
+
+
+def test_hook_does_not_report_a_token_again_when_a_preempted_request_recomputes():
+    """Under preemption by recompute, prompt and generated tokens are prefilled again (chunks of
+    2 here); the chunk that ends one token short of them produces nothing: the old last token is
+    not reported a second time."""
+    seen: dict[str, list[int]] = {}
+
+    def hook(pairs):
+        for req, tok in pairs:
+            seen.setdefault(req.request_id, []).append(tok)
+
+    s = Scheduler(backend=ScriptedBackend(block_tokens=4), on_tokens=hook, kv_cap_blocks=4, block_tokens=4,
+                  prefill_chunk_tokens=2, policy=FCFSPolicy())
+    reqs = [make_req("a", n_prompt=6, max_tokens=12), make_req("b", "u2", n_prompt=4, max_tokens=12)]
+    for r in reqs:
+        s.submit(r)
+    drain(s)
+    assert s.metrics()["preemptions"] >= 1
+    assert all(seen[r.request_id] == r.generated for r in reqs)  # a stops at the cache length (16 tokens)

@@ -1,9 +1,11 @@
-"""bench/vllm_compare.py without vLLM: the Batch driver's timings on hand-made traces, the metrics
-helper against hand-computed values, the three A/B timings; the vLLM driver only where vllm is
-installed (``make bench-vllm`` puts it in .venv-vllm; CI never installs it)."""
+"""bench/vllm_compare.py: the Batch driver's timings on hand-made traces, the metrics helper against
+hand-computed values, the three A/B timings, without vLLM; and the tests marked ``vllm`` (the vLLM
+driver, the side-by-side command line), which need vllm: ``make test`` runs them in ``.venv-vllm``
+(``pytest -m vllm``) and the rest in ``.venv``."""
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +125,20 @@ def test_traces_dir_flag_then_env_then_default(monkeypatch, tmp_path):
     assert vc.traces_dir("elsewhere") == Path("elsewhere")
 
 
+def test_ab_trace_draws_the_cold_harness_workload():
+    """``ab_trace(seed)`` is the A/B burst ``bench/cold_fairness.py`` draws for the same seed
+    (lengths, users, arrival order), so the ablation's ratios and the cold harness's compare."""
+    rnd = random.Random(1000 + 4)
+    want = []
+    for user, n in (("A", 100), ("B", 5)):
+        for i in range(n):
+            prompt = [rnd.randint(1, 63) for _ in range(rnd.randint(5, 199))]
+            want.append((f"{user}{i}", user, len(prompt), rnd.randint(10, 99)))
+    arrivals = [rnd.uniform(0.0, 1.0) for _ in want]
+    want = [w for _, w in sorted(zip(arrivals, want), key=lambda x: x[0])]
+    assert [(r.rid, r.user, r.prompt_tokens, r.output_tokens) for r in vc.ab_trace(4)] == want
+
+
 def test_load_requests_keeps_the_user_column(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("arrival_s,prompt_tokens,output_tokens,user\n0.1,10,5,A\n0.2,70,3,B\n")
@@ -146,8 +162,9 @@ def test_module_import_does_not_import_vllm():
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.vllm
 def test_vllm_driver_on_a_tiny_trace():
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="needs vllm: make test runs the tests marked vllm in .venv-vllm")
     # Alone, vLLM lifts the 64-token threshold (nobody to starve): a 100-token prompt in one step.
     alone = by_id(vc.run_vllm([T("r", "u1", 0.0, 100, 5)]))["r"]
     assert alone.first_s == pytest.approx(IT) and alone.done_s == pytest.approx(5 * IT)
@@ -157,6 +174,25 @@ def test_vllm_driver_on_a_tiny_trace():
     assert a.first_s == b.first_s == pytest.approx(2 * 0.007)
     assert a.done_s == pytest.approx(4 * 0.007) and b.done_s == pytest.approx(4 * 0.007 + IT)
     assert (a.output_tokens, b.output_tokens) == (3, 4) and run.preemptions == 0
+
+
+@pytest.mark.vllm
+def test_side_by_side_command_line_prints_batch_and_vllm_rows_and_ab_ratios(tmp_path):
+    """``bench/vllm_compare.py`` as ``make bench-vllm`` runs it, on a three-request A/B trace: a
+    Batch row and a vLLM row with equal figures (one request at a time fits both the same way),
+    and the A/B ratios of both in the three timings."""
+    pytest.importorskip("vllm", reason="needs vllm: make test runs the tests marked vllm in .venv-vllm")
+    (tmp_path / vc.AB_TRACE).write_text("arrival_s,prompt_tokens,output_tokens,user\n"
+                                        "0.0,10,10,A\n0.0,10,10,A\n0.004,10,2,B\n")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_compare.py"), "--no-sweep", "--traces",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split("|")[2].strip(): line.split("|")[3:-2] for line in p.stdout.splitlines()
+            if line.startswith(f"| `{vc.AB_TRACE}` |")}
+    assert set(rows) == {"Batch", "vLLM (thr 64)"}, p.stdout
+    assert rows["Batch"][:5] == rows["vLLM (thr 64)"][:5]  # tok/s, TTFT, TPOT, e2e, preemptions
+    ab = [line for line in p.stdout.splitlines() if line.startswith(("| Batch |", "| vLLM (thr 64) |"))]
+    assert len(ab) == 2 and all("11.0 / 6.0 = **1.83x**" in line for line in ab), p.stdout
 
 
 def test_tolerance_rows_beside_the_shipped_batch(tmp_path):
@@ -182,5 +218,5 @@ def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
     rows = {line.split("|")[1].strip(): line for line in p.stdout.splitlines() if line.startswith("| ")}
     assert {"T = 0", "T = 4096", "FCFS"} <= set(rows)
     cells = {name: rows[name].split("|") for name in ("T = 0", "T = 4096")}
-    assert all(int(c[-2]) <= 2 for c in cells.values())  # a light user early in a burst is seen at once
+    assert int(cells["T = 0"][-2]) <= 2  # lifted below the band, a light user early in a burst is served at once
     assert float(cells["T = 4096"][-3]) < float(cells["T = 0"][-3])  # weighted shares drift with the band

@@ -297,8 +297,8 @@ class ModelBackend:
         Raises:
             ValueError: the scheduler's ``kv_cap_blocks`` or ``block_tokens`` differ from the cache's.
         """
-        if (scheduler.kv_cap_blocks, scheduler.block_tokens) != (self.num_blocks, self.block_tokens):
-            raise ValueError(f"scheduler has {scheduler.kv_cap_blocks} blocks of {scheduler.block_tokens} tokens, "
+        if (scheduler.config.kv_cap_blocks, scheduler.config.block_tokens) != (self.num_blocks, self.block_tokens):
+            raise ValueError(f"scheduler has {scheduler.config.kv_cap_blocks} blocks of {scheduler.config.block_tokens} tokens, "
                              f"the cache {self.num_blocks} of {self.block_tokens}")
         if self.poison_freed_blocks:
             scheduler.pool.on_free = self.cache.poison

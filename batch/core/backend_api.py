@@ -12,15 +12,11 @@ Source: vLLM V1's ``SchedulerOutput`` -> ``ModelRunner.execute_model`` split (pe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from batch.core.state import Plan
 from inference_stub import Request
-from spec import rules
 
-if TYPE_CHECKING:
-    from scheduler import SchedulePlan
-
-__all__ = ["BatchItem", "ModelExecutor", "batch_items"]
+__all__ = ["BatchItem", "batch_items"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,18 +52,6 @@ class BatchItem:
         return len(self.token_ids)
 
 
-@runtime_checkable
-class ModelExecutor(Protocol):
-    """A backend that runs one iteration from ``BatchItem``s (paged KV cache, chunked prefill).
-
-    ``execute_model(items)`` returns one token id per item, in item order; the token of an
-    item with ``sample=False`` is ignored. It raises on failure; the scheduler then undoes the
-    tick (``BackendError``), so a backend should leave its cache as it was when it raises.
-    """
-
-    def execute_model(self, items: list[BatchItem]) -> list[int]: ...
-
-
 def _token_slice(req: Request, num_prompt_tokens: int, start: int, end: int) -> tuple[int, ...]:
     """Tokens ``start .. end - 1`` of prompt + generated, without copying the whole sequence."""
     gen = req.generated
@@ -78,22 +62,17 @@ def _token_slice(req: Request, num_prompt_tokens: int, start: int, end: int) -> 
     return tuple(req.prompt[start:]) + tuple(gen[:end - num_prompt_tokens])
 
 
-def batch_items(plan: SchedulePlan) -> list[BatchItem]:
+def batch_items(plan: Plan) -> list[BatchItem]:
     """The plan's batch as ``BatchItem``s, in batch order.
 
-    Call after the plan's blocks are committed (``Scheduler._commit_blocks``) and before
-    ``update_from_output``: block tables are then final and ``num_computed_tokens`` not yet
-    advanced.
+    Call after the plan's blocks are committed (``batch.core.step.commit``) and before
+    ``step.apply``: block tables are then final and ``num_computed_tokens`` not yet advanced.
     """
     out: list[BatchItem] = []
-    for s in plan.batch:
-        seq = s.seq
+    for seq, n in zip(plan.seqs, plan.num_new_tokens):
         start = seq.num_computed_tokens
-        end = start + s.num_new_tokens
-        out.append(BatchItem(request=seq.req,
-                             token_ids=_token_slice(seq.req, seq.num_prompt_tokens, start, end),
-                             num_computed_tokens=start,
-                             block_table=tuple(seq.block_table),
-                             sample=bool(rules.produces_token(start, s.num_new_tokens, seq.num_tokens))))
+        end = start + n
+        out.append(BatchItem(request=seq.req, token_ids=_token_slice(seq.req, seq.num_prompt_tokens, start, end),
+                             num_computed_tokens=start, block_table=tuple(seq.block_table),
+                             sample=end == seq.num_tokens))
     return out
-

@@ -1,9 +1,5 @@
-"""The KV-cache block pool: concrete block ids handed out from a free list.
-
-Source: vLLM V1's ``BlockPool`` / ``KVCacheManager`` and nano-vllm's ``BlockManager``, reduced
-to what a scheduler needs: check-then-act allocation of whole blocks, a block table per
-request (kept by the caller), and an integrity check ``free + used == cap``.
-"""
+"""The KV-cache block pool: concrete block ids from a free list (vLLM V1's ``BlockPool``,
+nano-vllm's ``BlockManager``, reduced): allocation of whole blocks, ``free + used == cap``."""
 from __future__ import annotations
 
 from typing import Callable
@@ -14,19 +10,9 @@ class BlockPoolError(RuntimeError):
 
 
 class BlockPool:
-    """A fixed pool of ``num_blocks`` KV blocks with ids ``0..num_blocks-1``.
-
-    Args:
-        num_blocks: the cap, in blocks (``MAX_KV_BLOCKS`` = 256 for the stub).
-        on_free: called with the block ids after every ``free`` (a paged backend may poison
-            them in tests); may be set later through the attribute.
-
-    Raises:
-        ValueError: ``num_blocks < 1``.
-
-    Invariant: ``spec.rules.ledger_consistent`` (free + used == cap) and ``kv_within_cap``.
-    Allocation is LIFO so recently freed (cache-warm) blocks are reused first.
-    """
+    """``num_blocks`` KV blocks with ids ``0..num_blocks-1`` (``ValueError`` if < 1). ``on_free`` is
+    called with the ids after every ``free`` (a paged backend may poison them in tests).
+    Invariant: ``spec.rules.ledger_consistent`` and ``kv_within_cap``. LIFO: freed blocks first."""
 
     __slots__ = ("num_blocks", "_free", "_is_free", "on_free")
 
@@ -48,20 +34,9 @@ class BlockPool:
         """Blocks held by requests."""
         return self.num_blocks - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        """Whether ``n`` blocks can be taken now (``spec.rules.can_allocate``)."""
-        return 0 <= n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks.
-
-        Returns:
-            Their ids (``n`` of them, ``[]`` for ``n == 0``), or ``None`` when fewer than
-            ``n`` are free; nothing is taken then.
-
-        Raises:
-            ValueError: ``n < 0``.
-        """
+        """Take ``n`` free blocks: their ids, or ``None`` (nothing taken) when fewer are free;
+        ``ValueError`` for ``n < 0``."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
@@ -75,11 +50,7 @@ class BlockPool:
         return out
 
     def free(self, blocks: list[int]) -> None:
-        """Return ``blocks`` to the pool.
-
-        Raises:
-            BlockPoolError: a block id is unknown or already free; nothing is freed then.
-        """
+        """Return ``blocks``; ``BlockPoolError`` (nothing freed) for an unknown or free id."""
         for b in blocks:
             if not (0 <= b < self.num_blocks) or self._is_free[b]:
                 raise BlockPoolError(f"block {b} is not an allocated block of this pool")
@@ -92,11 +63,8 @@ class BlockPool:
             self.on_free(blocks)
 
     def reclaim(self, blocks: list[int]) -> None:
-        """Take back these exact free block ids (undo of a ``free``, for rollback).
-
-        Raises:
-            BlockPoolError: a block is not free; nothing is taken then.
-        """
+        """Take back these exact free ids (undo of a ``free``, for rollback); ``BlockPoolError``
+        (nothing taken) if one is not free."""
         if any(not (0 <= b < self.num_blocks) or not self._is_free[b] for b in blocks):
             raise BlockPoolError(f"cannot reclaim {blocks}: not all free")
         want = set(blocks)
@@ -105,12 +73,8 @@ class BlockPool:
             self._is_free[b] = 0
 
     def check(self, held: list[list[int]] | None = None) -> None:
-        """Integrity check: the free list and the free map agree; with ``held`` (every block table),
-        every block is either free or held by exactly one table.
-
-        Raises:
-            BlockPoolError: naming what is inconsistent.
-        """
+        """The free list and map agree and, with ``held`` (every block table), each block is free or
+        held by exactly one table; ``BlockPoolError`` naming what is inconsistent."""
         if len(set(self._free)) != len(self._free) or sum(self._is_free) != len(self._free):
             raise BlockPoolError("free list and free map disagree")
         if held is not None:

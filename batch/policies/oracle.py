@@ -7,8 +7,7 @@ knows the future and packs greedily gets this fraction of the bound, so the rest
 is the bound's idealisation (perfect packing at every iteration), not a policy's fault.
 
 Rule: admission offers waiting requests longest remaining work first (LPT list scheduling:
-prefill or recompute chunks + true output tokens left), with backfill (a request that does not
-fit is passed, bounded by the scheduler's aging); the victim under KV pressure is the resident
+prefill or recompute chunks + true output tokens left); the victim under KV pressure is the resident
 request with the fewest computed tokens (the least recompute lost). No fairness, no TTFT care.
 """
 from __future__ import annotations
@@ -16,9 +15,11 @@ from __future__ import annotations
 from bisect import insort
 from typing import Any, Iterator, Sequence
 
+from batch.policies.policy import Policy
 
-class ClairvoyantPolicy:
-    """Longest-remaining-work-first admission with backfill, knowing true output lengths.
+
+class ClairvoyantPolicy(Policy):
+    """Longest-remaining-work-first admission, knowing true output lengths.
 
     Args:
         output_tokens_by_request: ``id(Request)`` -> tokens the request will generate (its
@@ -28,25 +29,21 @@ class ClairvoyantPolicy:
             first (the default, LPT list scheduling), ``"spt"`` shortest first, ``"fifo"``
             arrival order (lengths then matter only through the victim rule). Other list
             rules are for ``bench/bench_throughput.py --only orders``: how far any of them gets.
-        backfill: pass a waiting request that does not fit (default ``True``).
 
     Raises:
         KeyError: at ``add``, for a request whose length was not given.
         ValueError: ``order`` is not one of the three.
     """
 
-    backfill = True
-    isolation = False
-    admission_headroom = False
-
+    name = "clairvoyant"
     ORDERS = ("lpt", "spt", "fifo")
 
     def __init__(self, output_tokens_by_request: dict[int, int], *, prefill_chunk_tokens: int = 64,
-                 order: str = "lpt", backfill: bool = True) -> None:
+                 order: str = "lpt") -> None:
         if order not in self.ORDERS:
             raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
-        self.order = order
-        self.backfill = backfill
+        super().__init__()
+        self.order_name = order
         self._lengths = output_tokens_by_request
         self._chunk = prefill_chunk_tokens
         self._waiting: list[tuple[int, int, Any]] = []  # (-remaining iterations, arrival_no, seq), sorted
@@ -61,7 +58,7 @@ class ClairvoyantPolicy:
 
     def add(self, seq: Any) -> None:
         left = self.remaining_iterations(seq)
-        key = -left if self.order == "lpt" else left if self.order == "spt" else 0
+        key = -left if self.order_name == "lpt" else left if self.order_name == "spt" else 0
         insort(self._waiting, (key, seq.arrival_no, seq), key=lambda e: e[:2])
 
     requeue = add
@@ -73,11 +70,8 @@ class ClairvoyantPolicy:
                 return
         raise KeyError(f"{getattr(seq, 'request_id', seq)!r} is not waiting")
 
-    def admission_order(self) -> Iterator[Any]:
+    def order(self) -> Iterator[Any]:
         return iter([e[2] for e in self._waiting])
 
-    def on_service(self, user_id: str, prompt_tokens: int, output_tokens: int) -> None:
-        return None
-
-    def choose_victim(self, running: Sequence[Any]) -> Any:
+    def victim(self, running: Sequence[Any]) -> Any:
         return min(running, key=lambda s: (s.num_computed_tokens, -s.admit_no))

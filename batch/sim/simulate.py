@@ -6,7 +6,7 @@ between ticks, as a serving loop would. With ``--clock virtual`` the stub advanc
 time by its latency model instead of sleeping, and idle gaps are skipped.
 
 The metrics are ``Scheduler.metrics()`` (``batch.core.metrics``); ``--json`` prints them under vLLM
-``benchmark_serving``'s names (``metrics.benchmark_metrics``) with the goodput under
+``benchmark_serving``'s names (``goodput.benchmark_metrics``) with the goodput under
 ``--slo-ttft-ms`` / ``--slo-tpot-ms`` / ``--slo-e2el-ms``. ``gpu_utilization`` is the
 contract's fraction of ticks whose batch was non-empty; ``gpu_busy_fraction`` is the time
 the simulated GPU spent in ``forward`` over the duration (first submit to last completion on
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import inference_stub
-from batch.core import metrics
-from batch.policies.baselines import ReservationScheduler, StaticBatchScheduler
-from batch.policies.policy import FCFSPolicy, RoundRobinPolicy
+from batch.core import goodput, metrics
+from batch.sim.baselines import ReservationScheduler, StaticBatchScheduler
+from batch.policies.policy import FCFSPolicy
+from batch.policies.roundrobin import RoundRobinPolicy
 from inference_stub import Request, SimulatedGPU, VirtualClock
 from scheduler import RequestError, Scheduler
 
@@ -38,6 +39,9 @@ POLICIES: dict[str, tuple[type[Scheduler], Callable[[], object] | None, str]] = 
                                                  "(TGI, TensorRT-LLM); stub backend only"),
     "static": (StaticBatchScheduler, None, "static batching, 32 a batch; stub backend only"),
 }
+#: A run's progress bar (``run_workload(progress=True)``) appears once it has lasted this long, so
+#: short runs print nothing.
+PROGRESS_DELAY_S = 2.0
 #: Default SLOs for goodput, ms: a first token within a second, then at least 10 tokens a second.
 DEFAULT_SLO_TTFT_MS = 1000.0
 DEFAULT_SLO_TPOT_MS = 100.0
@@ -99,7 +103,8 @@ def run_workload(
         virtual: simulated time (a ``VirtualClock``) instead of real sleeps.
         gpu_seed: seeded token streams (``SimulatedGPU(seed=...)``); ``None`` for shared random.
         base_s, per_request_s, eos_probability: the simulated GPU's parameters.
-        progress: show a tqdm progress bar of finished requests on stderr.
+        progress: show a tqdm progress bar of finished (and refused) requests on stderr once the
+            run has lasted ``PROGRESS_DELAY_S`` (a shorter run prints nothing).
         max_ticks: stop with ``RuntimeError`` after this many ticks (a guard for tests).
         **scheduler_kwargs: passed to ``make_scheduler`` (``clock`` and ``backend`` are set here).
 
@@ -129,7 +134,7 @@ def run_workload(
     if progress:
         from tqdm import tqdm  # noqa: PLC0415
 
-        bar = tqdm(total=len(pending), unit="req", file=sys.stderr, mininterval=0.5)
+        bar = tqdm(total=len(pending), unit="req", file=sys.stderr, mininterval=0.5, delay=PROGRESS_DELAY_S)
     wall0 = time.perf_counter()
     t0 = now()
     i, ticks = 0, 0
@@ -175,7 +180,7 @@ def _spread(m: dict, key: str, scale: float) -> str:
     return " / ".join(f"{v * scale:.{1 if scale > 1 else 3}f}" for v in vals)
 
 
-def _slo_text(slo: metrics.SLO) -> str:
+def _slo_text(slo: goodput.SLO) -> str:
     return ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slo.as_ms().items()) or "no SLO"
 
 
@@ -183,11 +188,11 @@ def _slo_text(slo: metrics.SLO) -> str:
 _LABEL_WIDTH = 33
 
 
-def format_metrics(m: dict, result: RunResult | None = None, *, slo: metrics.SLO | None = None,
+def format_metrics(m: dict, result: RunResult | None = None, *, slo: goodput.SLO | None = None,
                    good: int | None = None) -> str:
     """A plain two-column table of the headline metrics (seconds shown in ms where small).
 
-    With ``slo`` and ``good`` (completed requests meeting it: ``metrics.good_requests``), a
+    With ``slo`` and ``good`` (completed requests meeting it: ``goodput.good_requests``), a
     goodput row. ``gpu_utilization`` is the contract's fraction of ticks whose batch was
     non-empty; ``gpu_busy_fraction`` (with a ``result`` whose simulated GPU did the work) is
     the time spent in ``forward`` over the duration (first submit to last completion).
@@ -222,7 +227,8 @@ def format_metrics(m: dict, result: RunResult | None = None, *, slo: metrics.SLO
         ("KV utilization (avg of cap)", f"{m['kv_utilization']:.3f}"),
         ("preemptions", f"{m['preemptions']}"),
         ("finish reasons", f"{m['finish_reasons']}"),
-        ("Jain index (output tokens/user)", f"{m['jain_index_output_tokens']:.3f}"),
+        *([("Jain index (output tokens/user)", f"{goodput.jain_index_of(result.finished):.3f}")]
+          if result is not None else []),
         ("ticks", f"{m['ticks']}"),
     ]
     if result is not None:
@@ -231,19 +237,20 @@ def format_metrics(m: dict, result: RunResult | None = None, *, slo: metrics.SLO
     return "\n".join(f"{k:<{_LABEL_WIDTH}}  {v}" for k, v in rows)
 
 
-def json_metrics(m: dict, result: RunResult, *, slo: metrics.SLO, good: int, **context: object) -> dict:
+def json_metrics(m: dict, result: RunResult, *, slo: goodput.SLO, good: int, **context: object) -> dict:
     """What ``--json`` prints: ``context`` (policy, backend, clock, workload), then vLLM
-    ``benchmark_serving``'s keys (``metrics.benchmark_metrics``), the goodput's SLOs and
+    ``benchmark_serving``'s keys (``goodput.benchmark_metrics``), the goodput's SLOs and
     count, Batch's own figures, and the whole ``Scheduler.metrics()`` under ``scheduler_metrics``."""
     return {
         **context,
-        **metrics.benchmark_metrics(m, good_completed=good),
+        **goodput.benchmark_metrics(m, good_completed=good),
         "goodput_slo_ms": slo.as_ms(),
         "good_completed": good,
         "refused": m["refusals"],
         "preemptions": m["preemptions"],
         "gpu_utilization": m["gpu_utilization"],  # the contract's: fraction of ticks whose batch was non-empty
         "gpu_busy_fraction": result.gpu_busy_fraction(m["duration_s"]),  # time in forward / duration
+        "jain_index_output_tokens": goodput.jain_index_of(result.finished),
         "clock_s": result.sim_s,
         "wall_s": result.wall_s,
         "scheduler_metrics": m,

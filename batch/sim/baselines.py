@@ -19,11 +19,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import scheduler as _scheduler_module
-from batch.core.validation import positive as _positive
-from batch.policies.policy import FCFSPolicy, RoundRobinPolicy
+from batch.core import step
+import dataclasses
+
+from batch.policies.policy import FCFSPolicy
+from batch.policies.roundrobin import RoundRobinPolicy
 from inference_stub import Request
 from scheduler import Scheduler
-from spec import rules
 
 __all__ = ["ReservationScheduler", "StaticBatchScheduler", "RoundRobinPolicy", "fcfs_recompute",
            "round_robin", "BASELINES", "STATIC_BATCH_SIZE"]
@@ -40,7 +42,9 @@ class ReservationScheduler(Scheduler):
     preempted. The cost is memory held for tokens that are never generated when a request
     stops at EOS early, hence fewer requests resident.
 
-    Takes the ``Scheduler`` keywords; ``policy`` defaults to ``FCFSPolicy()`` (no backfill).
+    Takes the ``Scheduler`` keywords; ``policy`` defaults to ``FCFSPolicy()``. It is
+    ``Scheduler(max_preemptions=0)``: every request is pinned at admission, which grants its
+    worst case (``spec.fairness_rules.worst_case_blocks``) and makes it no victim.
 
     Source: TGI's router admits a request only when blocks for its prompt plus
     ``max_new_tokens`` are free; TensorRT-LLM's default capacity policy
@@ -50,12 +54,8 @@ class ReservationScheduler(Scheduler):
     def __init__(self, **kwargs: Any) -> None:
         if kwargs.get("policy") is None:
             kwargs["policy"] = FCFSPolicy()
+        kwargs["max_preemptions"] = 0
         super().__init__(**kwargs)
-
-    def _admission_blocks(self, seq: Any) -> int:
-        """Blocks for prompt + ``max_tokens`` tokens, at most the cache (the last token needs no slot after it)."""
-        worst_tokens = min(seq.num_prompt_tokens + seq.req.max_tokens, self.max_model_len_tokens)
-        return max(super()._admission_blocks(seq), rules.blocks_for(worst_tokens, self.block_tokens))
 
 
 class StaticBatchScheduler(ReservationScheduler):
@@ -81,9 +81,14 @@ class StaticBatchScheduler(ReservationScheduler):
         ValueError: ``batch_size`` is not a positive int (and as ``Scheduler``).
     """
 
+    #: its admission departs from the rules on purpose: the spec's reference tick does not model it
+    reference_models = False
+
     def __init__(self, *, batch_size: int = STATIC_BATCH_SIZE, pad_finished: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.batch_size = _positive("batch_size", batch_size)
+        if type(batch_size) is not int or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.batch_size = batch_size
         self.pad_finished = pad_finished
         self._padding: list[Request] = []  # finished members of the current batch
         self._inner_backend = self._backend
@@ -99,12 +104,8 @@ class StaticBatchScheduler(ReservationScheduler):
         return tokens  # malformed: let Scheduler's check raise BackendError
 
     def schedule(self):  # noqa: D102 - Scheduler.schedule with admission only into an empty batch
-        limit = self.max_running
-        self.max_running = min(limit, self.batch_size) if not self.running else len(self.running)
-        try:
-            return super().schedule()
-        finally:
-            self.max_running = limit
+        cap = min(self.config.max_running, self.batch_size) if not self.running else len(self.running)
+        return step.schedule(self.state, self.policy, dataclasses.replace(self.config, max_running=cap))
 
     def update_from_output(self, plan, tokens, **kwargs):  # noqa: D102 - plus the padding bookkeeping
         finished = super().update_from_output(plan, tokens, **kwargs)
