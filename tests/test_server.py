@@ -556,6 +556,20 @@ def run_sybil(url: str, attacks: str, *args: str, duration_s: float = 8.0) -> li
 SYBIL_MAX_SHARE = 0.55
 
 
+def _identities(server: LiveServer) -> set[str]:
+    """Record every fairness identity the server's scheduler is handed from now on (``Policy.add``)."""
+    seen: set[str] = set()
+    policy = server.engine.scheduler.policy
+    add = policy.add
+
+    def recording_add(seq):
+        seen.add(seq.user_id)
+        add(seq)
+
+    policy.add = recording_add
+    return seen
+
+
 @pytest.mark.slow
 def test_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_only_401s():
     # An honest key and an attacker's key, each with 64 concurrent long streams (no early EOS) on the
@@ -564,6 +578,7 @@ def test_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_only_401s():
     # request (the key decides), and with a made-up key per request (401s, no token).
     cfg = ServerConfig(api_keys={"sk-honest": "honest", "sk-attacker": "attacker"})
     with LiveServer(cfg, eos_probability=0.0, time_scale=1.0) as s:
+        seen = _identities(s)
         rows = run_sybil(s.url, "one-key,key-random-user,made-up-keys", "--honest-key", "sk-honest",
                          "--attacker-key", "sk-attacker")
         _assert_idle(s.drained(60))
@@ -574,19 +589,24 @@ def test_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_only_401s():
         assert r["attacker_share"] <= SYBIL_MAX_SHARE, r
     assert made_up["attacker_tokens"] == 0 and made_up["honest_tokens"] > 0, made_up
     assert set(made_up["attacker_statuses"]) == {"401"} and made_up["attacker_statuses"]["401"] >= 64, made_up
+    assert seen == {"honest", "attacker"}, seen  # a random `user` per request named no new identity
 
 
 @pytest.mark.slow
-def test_sybil_control_random_user_names_take_most_tokens_where_the_user_field_is_trusted():
+def test_sybil_control_random_user_names_become_new_identities_where_the_user_field_is_trusted():
     # The control: the same flood where the body's `user` is trusted and not checked (no keys,
     # --trust-user-field, the rule every keyless request followed before): each made-up name is a new
-    # user, lifted to the least counter, so the attacker takes more than the bound above (measured
-    # 0.64 over 5 s, 0.97 over 15 s): the test measures the identity rule.
+    # fair share, which the keyed test above shows cannot happen with keys. The attacker's share is
+    # printed, not asserted: it depends on how long the flood runs and how hard the two contend for
+    # the cache (measured here on the new core: 0.49 and 0.50 over 8 s, 0.58 over 15 s; the old core
+    # gave 0.64 over 5 s and 0.97 over 15 s).
     with LiveServer(ServerConfig(trust_user_field=True), eos_probability=0.0, time_scale=1.0) as s:
+        seen = _identities(s)
         (row,) = run_sybil(s.url, "random-user")
         _assert_idle(s.drained(60))
-    print("sybil control, user field trusted:", row["attacker_share"])
-    assert row["attacker_share"] > SYBIL_MAX_SHARE, row
+    print("sybil control, user field trusted:", row["attacker_share"], "identities:", len(seen))
+    assert row["attacker_tokens"] > 0 and set(row["attacker_statuses"]) == {"200"}, row
+    assert len(seen) >= row["attacker_requests"], (len(seen), row)  # one new identity per attacker request
 
 
 # ---------------------------------------------------------------- the command
