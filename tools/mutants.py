@@ -116,14 +116,14 @@ MUTANTS: tuple[Mutant, ...] = (
       '    ("prefill_done", (PREFILLING,), DECODING),', '    ("prefill_done", (PREFILLING, DONE), DECODING),'),
     # ---- the tick: batch/core/step.py, scheduler.py
     M("admit_off_by_one", "admission's fit test off by one (one block more than is free)", "batch/core/step.py",
-      "            if not fr.can_admit(free, need, room):", "            if not fr.can_admit(free + 1, need, room):"),
+      "            if not fr.can_admit(free, cost, room):", "            if not fr.can_admit(free + 1, cost, room):"),
     M("eos_keeps_blocks", "an EOS finish does not free the request's blocks (a length finish does)",
       "batch/core/step.py", "        st.pool.free(s.block_table)\n        s.block_table = []\n        fire(s, \"finish\")",
       "        if s.finish_reason != \"stop\":\n            st.pool.free(s.block_table)\n"
       "        s.block_table = []\n        fire(s, \"finish\")"),
     M("preempted_keeps_blocks", "a preempted request keeps its block table (blocks freed in the pool)",
-      "batch/core/step.py", "        st.pool.free(s.block_table)\n        s.block_table = []\n    for s, n in zip(",
-      "        st.pool.free(s.block_table)\n    for s, n in zip("),
+      "batch/core/step.py", "        st.pool.free(s.block_table)\n        s.block_table = []\n    for s, hits in plan.hits.items():",
+      "        st.pool.free(s.block_table)\n    for s, hits in plan.hits.items():"),
     M("max_tokens_ignored", "finishing ignores max_tokens (the cache length passed in its place)", "batch/core/step.py",
       "rules.reached_length(len(gen), req.max_tokens, n + 1, max_len)",
       "rules.reached_length(len(gen), max_len, n + 1, max_len)"),
