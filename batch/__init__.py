@@ -3,9 +3,9 @@
 The contract modules stay at the project root (``scheduler``, ``inference_stub``,
 ``request_gen``); this package holds what they and the main job are built from:
 
-* ``batch.core``: what runs inside ``Scheduler.tick`` besides ``scheduler.py`` (KV blocks,
-  metrics, TTFT isolation, backfilling, the backend interface);
-* ``batch.policies``: admission and victim policies, the baselines, the clairvoyant oracle;
+* ``batch.core``: what runs inside ``Scheduler.tick`` besides ``scheduler.py`` (the state, the
+  tick's steps, KV blocks, metrics, the backend interface);
+* ``batch.policies``: the policy interface, FCFS, VTC, round robin, the clairvoyant oracle;
 * ``batch.sim``: arrival replay on the simulated GPU, benchmark workloads, trace loading;
 * ``batch.backends``: a real model under the scheduler (the optional ``model`` extra);
 * ``batch.cli``: the main job's command line (``python -m batch``, ``batch-sim``).

@@ -2,7 +2,7 @@
 
 Like ``spec.rules``, each function uses only ``+ - * <= ==`` and ``spec.logic`` (``And``, ``Or``,
 ``Not``, ``If``, ``Min``, ``Max``, ``cdiv``), so it evaluates on Python ints inside
-``policy.py``, ``isolation.py`` and ``scheduler.py`` and on ``z3.Int`` terms in the proofs.
+``batch/policies/vtc.py`` and ``batch/core/step.py`` and on ``z3.Int`` terms in the proofs.
 The prose behind each rule, with its derivation, is ``docs/fairness.md``.
 
 Units: ``*_tokens`` token counts, ``*_blocks`` KV blocks, ``*_ticks`` scheduler iterations,

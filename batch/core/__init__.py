@@ -1,2 +1,3 @@
-"""What runs inside ``Scheduler.tick`` besides ``scheduler.py``: the KV block pool, the metrics
-recorder, TTFT isolation, EASY backfilling and the backend interface (standard library only)."""
+"""What runs inside ``Scheduler.tick`` besides ``scheduler.py``: the typed state (``state``), the
+tick's steps (``step``), the KV block pool and the opt-in prefix cache, the metrics recorder and the
+backend interface (standard library only; ``docs/design.md``)."""

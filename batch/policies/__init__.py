@@ -1,2 +1,3 @@
-"""Admission and victim policies (``policy``: VTC, FCFS, round robin), the baseline schedulers
-(``baselines``) and a clairvoyant reference policy (``oracle``); standard library only."""
+"""The policy interface with FCFS as its defaults (``policy``), VTC (``vtc``), round robin
+(``roundrobin``) and a clairvoyant reference policy (``oracle``); standard library only. The
+baseline schedulers live in ``batch.sim.baselines``."""
