@@ -6,21 +6,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import ScriptedBackend, StepClock, drain, make_req
+from test_fairness import Spy
 
-from scheduler import Scheduler
 from spec import fairness_rules as fr
-
-
-class Spy(Scheduler):
-    """A scheduler that keeps every plan it ran (as ``test_fairness.Spy``)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.plans = []
-
-    def update_from_output(self, plan, tokens, **kw):
-        self.plans.append(plan)
-        return super().update_from_output(plan, tokens, **kw)
 
 
 def _admission_ticks(s):

@@ -6,23 +6,12 @@ import random
 
 import pytest
 from conftest import ScriptedBackend, StepClock, make_req
+from test_fairness import Spy
 from test_throughput_rules import make_seq
 
 from batch.policies.vtc import VTCPolicy
 from scheduler import Scheduler
 from spec import lifecycle as lc
-
-
-class Spy(Scheduler):
-    """A scheduler that keeps every plan it ran (as ``test_fairness.Spy``)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.plans = []
-
-    def update_from_output(self, plan, tokens, **kw):
-        self.plans.append(plan)
-        return super().update_from_output(plan, tokens, **kw)
 
 
 def _record(s: Scheduler, request):
