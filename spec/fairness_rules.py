@@ -50,8 +50,9 @@ def charged_counter(counter: Int, units: Int, weight: Int) -> Int:
 #: this of the least backlogged counter are served in arrival order (``vtc_eligible``). 0, the
 #: VTC paper's order: a tolerance of one KV cache's worth (4096) serves balanced load close to
 #: arrival order, but lets weighted shares drift by that much (on the overload a weight-2 user
-#: got 1.38x, not 1.94x, of the others' service); ``docs/fairness.md`` section 6 has the
-#: measurements.
+#: got 1.38x, not 1.94x, of the others' service, measured before the core redesign:
+#: ``docs/CHANGELOG.md``); ``docs/fairness.md`` section 6 ("Tolerance") has the redesigned
+#: core's measurements and why the default stays 0.
 TOLERANCE_TOKENS = 0
 
 

@@ -1,13 +1,15 @@
 """Executable models of the scheduler's steps, over Python ints or z3 terms.
 
 The proofs in ``spec/verify.py`` reason about these models; the models do the scheduler's
-arithmetic by calling the very rule functions ``scheduler.py`` calls (``spec.rules``:
+arithmetic by calling the very rule functions the tick calls (``batch/core/step.py``; ``spec.rules``:
 ``growth_blocks``, ``can_allocate``, ``blocks_needed``, ``chunk_tokens``, ``produces_token``,
-``reached_length``; ``fairness_rules.can_admit``), and their control flow mirrors
-``Scheduler.schedule()`` and ``Scheduler.update_from_output()`` line by line. Because they are written with ``spec.logic``
-only, the same model also runs on Python ints: ``tests/test_verify.py`` runs it side by side
-with the real ``Scheduler`` on random workloads and requires identical states after every
-tick, so a drift between model and code fails a test.
+``reached_length``; ``fairness_rules.can_admit``). Their control flow is a relation, not a copy
+of ``step.schedule`` / ``step.apply``: the policy's choices (victims, admission order, sit-outs,
+extra blocks, admissions taken back) are left free where asked, and the code is tied to it by
+checks, not by construction: trace validation (``spec/refinement.py``) replays every tick the
+scheduler takes on ``tick``, and, because the models are written with ``spec.logic`` only, they
+also run on Python ints, so ``tests/test_verify.py`` runs ``tick`` under FCFS side by side with
+the real ``Scheduler`` on random workloads and requires identical states after every tick.
 
 Two granularities:
 
@@ -131,8 +133,8 @@ def system_valid(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, other_held_blo
 
 def is_eos(eos_position: Int, num_generated: Int) -> Bool:
     """The token just appended (the ``num_generated``-th) is EOS: the backend returns EOS at
-    output position ``eos_position``. Mirrors ``token == eos_token_id`` in
-    ``Scheduler.update_from_output`` (which is not a ``spec.rules`` function)."""
+    output position ``eos_position``. Mirrors ``tok == eos`` in
+    ``batch.core.step.apply`` (which is not a ``spec.rules`` function)."""
     return eos_position == num_generated
 
 
@@ -208,10 +210,11 @@ class Choices:
             ``i`` cannot grow; ``None``: the most recently admitted alive request (the last
             alive slot), as ``Policy.victim`` (FCFS).
         skip: per slot, the policy leaves this running request out of the batch this tick.
-        backfill: admission passes a waiting request that does not fit and tries later ones.
+        backfill: admission passes a waiting request that does not fit and tries later ones (the
+            light users' pass of ``batch.core.step.schedule``'s step 2 is one such choice).
         admit_after_preempt: admission runs even in a tick that preempted.
         extra_blocks: per slot, blocks granted at admission beyond ``blocks_needed`` (``>= 0``;
-            a pinned request's worst case, ``Scheduler._admission_blocks``).
+            a pinned request's worst case, ``batch.core.step.admission_blocks``).
         headroom: per slot, blocks admission must leave free (``>= 0``;
             ``fairness_rules.growth_headroom_blocks``).
         late_preempt: per slot, a running request preempted after admission (isolation

@@ -7,8 +7,9 @@ exit status is 1 when any check did not prove its property.
 
 The checks are a registry (``CHECKS``): add one by decorating a function
 ``f(opts: Options) -> Outcome`` with ``@register(name, property)``, in this module or in a
-module listed in ``PLUGINS`` (imported when present). The fairness proofs (the VTC counter
-gap and the aging bound) are meant to be added that way.
+module listed in ``PLUGINS`` (imported when present), as the fairness proofs
+(``spec/verify_fairness.py``), the lifecycle table's (``spec/verify_lifecycle.py``) and prefix
+caching's (``spec/verify_prefix.py``) are.
 
 Every check but ``lifecycle_table`` (exhaustive over a finite table, ``spec/verify_lifecycle.py``)
 asks z3 for a counterexample to ``assumptions -> property`` and expects

@@ -1,5 +1,5 @@
 """bench/ablation.py: the default scheduler with one mechanism off at a time (docs/design.md,
-"What each mechanism buys"). A tiny configuration: one seed, the small workloads, one short trace."""
+"Mechanisms on the default path"). A tiny configuration: one seed, the small workloads, one short trace."""
 from __future__ import annotations
 
 import math
