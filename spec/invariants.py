@@ -363,8 +363,8 @@ class InvariantChecker:
     """Runtime checking for ``Scheduler(check_invariants=True)``, around every tick:
 
     * before the blocks are committed: the plan fits the free blocks (``plan_within_free``) and
-      is the plan the rules give (``spec.reference.reference_plan``, for ``FCFSPolicy`` and
-      ``VTCPolicy`` with at most ``max_requests`` in flight; others are counted in ``skipped``);
+      is the plan the rules give (``spec.reference.reference_plan``, for ``FCFSPolicy``,
+      ``RoundRobinPolicy`` and ``VTCPolicy`` with at most ``max_requests`` in flight; others are counted in ``skipped``);
     * after the tick: one forward, each chunk within the limit, the budget, the batch's KV as
       ``forward`` saw it, one token per request, every state invariant (``check_state``), the
       tick as a step of the proved model (``spec.refinement``), and the state the rules leave
@@ -553,6 +553,13 @@ class InvariantChecker:
         if snap.policy == "fcfs" and not _same(list(p.order()), want.queue):
             fail("reference_state", f"FCFS queue: the rules give {_show(want.queue)}, the policy "
                                     f"{_show(list(p.order()))}")
+        if snap.policy == "rr":
+            turns = [(u, list(q)) for u, q in p._queues.items()]  # noqa: SLF001
+            left = sorted((s for s in st.by_obj.values() if s.state in lc.WAITING_STATES), key=lambda s: s.arrival_no)
+            want_turns = [(u, [s for s in left if s.user_id == u]) for u in want.turns]
+            if not _same(turns, want_turns):
+                fail("reference_state", f"round robin's queues: the rules give {_show(want_turns)}, the policy "
+                                        f"{_show(turns)}")
         if snap.policy == "vtc" and (dict(p._counter) != want.counters or p.floor != want.floor):  # noqa: SLF001
             fail("reference_state", f"VTC counters/floor: the rules give {want.counters}/{want.floor}, the "
                                     f"policy {dict(p._counter)}/{p.floor}")  # noqa: SLF001
@@ -588,11 +595,13 @@ def snapshot(sched: Any) -> Any:
     """The scheduler's state as ``spec.reference.Snapshot``, or ``None`` for a policy the
     reference does not model (the refinement mapping: it reads the records, not the plan)."""
     from batch.policies.policy import Policy  # noqa: PLC0415
+    from batch.policies.roundrobin import RoundRobinPolicy  # noqa: PLC0415
     from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
     from spec import reference  # noqa: PLC0415
 
     p, st, c = sched.policy, sched.state, sched.config
-    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy else None
+    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy else \
+        "rr" if type(p) is RoundRobinPolicy else None
     if kind is None or c.prefix_caching:  # shared blocks: checked on the pool (check_state), not modelled
         return None
     cfg = reference.Cfg(c.kv_cap_blocks, c.block_tokens, c.prefill_chunk_tokens, c.token_budget_tokens,
@@ -603,6 +612,8 @@ def snapshot(sched: Any) -> Any:
                               [reference.req_of(s) for s in st.running], [reference.req_of(s) for s in waiting], kind)
     if kind == "fcfs":
         snap.queue = list(p.order())
+    elif kind == "rr":
+        snap.turns = list(p._queues)  # noqa: SLF001
     else:
         snap.counters, snap.floor, snap.weights = dict(p._counter), p.floor, dict(p.weights)  # noqa: SLF001
         snap.tol, snap.prices = p.tolerance_tokens * fr.COUNTER_SCALE, (p.prompt_price, p.output_price)

@@ -19,11 +19,12 @@ It is written from the rules in ``spec.rules`` and ``spec.fairness_rules`` and t
 ``docs/design.md`` and ``docs/fairness.md``, not from the code: it iterates naively (O(n^2) is
 fine), derives VTC's admission order from the counters and the requests' arrival numbers rather
 than the policy's heaps, and derives the resume-first candidates from the requests' states. It
-models ``FCFSPolicy`` and ``VTCPolicy`` exactly; for other policies the checker skips it.
+models ``FCFSPolicy``, ``RoundRobinPolicy`` and ``VTCPolicy`` exactly; for other policies the checker skips it.
 A bug shared by the reference and the code (a wrong ``spec/`` rule) is for the z3 proofs.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -80,8 +81,9 @@ class Cfg:
 
 @dataclass
 class Snapshot:
-    """The state before a tick. ``policy`` is ``"fcfs"`` or ``"vtc"``; ``queue`` the FCFS waiting
-    order; ``counters`` (counter units, every user with a counter) and ``floor`` VTC's."""
+    """The state before a tick. ``policy`` is ``"fcfs"``, ``"rr"`` or ``"vtc"``; ``queue`` the FCFS
+    waiting order; ``turns`` round robin's users in turn order; ``counters`` (counter units, every
+    user with a counter) and ``floor`` VTC's."""
 
     cfg: Cfg
     free: int
@@ -93,6 +95,7 @@ class Snapshot:
     waiting: list[Req]
     policy: str
     queue: list[Any] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     floor: int = 0
     weights: dict[str, int] = field(default_factory=dict)
@@ -123,8 +126,9 @@ def req_of(s: Any) -> Req:
 
 
 def _victim(snap: Snapshot, cands: list[Req], blocks: dict[Any, int]) -> Req:
-    """The policy's victim among ``cands``: FCFS the newest admission; VTC ``victim_before``."""
-    if snap.policy == "fcfs":
+    """The policy's victim among ``cands``: FCFS and round robin the newest admission; VTC
+    ``victim_before``."""
+    if snap.policy != "vtc":
         return max(cands, key=lambda r: r.admit_no)
     held: dict[str, int] = {}
     for r in cands:
@@ -159,6 +163,23 @@ def vtc_order(snap: Snapshot) -> list[Req]:
         if not queues[u]:
             del queues[u]
     return out
+
+
+def rr_queues(snap: Snapshot) -> list[list[Req]]:
+    """Round robin's per-user queues in turn order: each user's waiting requests by arrival
+    (first come first served; a preempted request returns ahead of its user's later arrivals)."""
+    by_user: dict[str, list[Req]] = {}
+    for r in sorted(snap.waiting, key=lambda r: r.arrival):
+        by_user.setdefault(r.user, []).append(r)
+    assert set(by_user) == set(snap.turns), f"round robin's turns {snap.turns} are not the waiting users"
+    return [by_user[u] for u in snap.turns]
+
+
+def rr_order(snap: Snapshot) -> list[Req]:
+    """Round robin's admission order: rounds over the users in turn order, each user's next
+    request per round."""
+    qs = rr_queues(snap)
+    return [q[i] for i in range(max(map(len, qs), default=0)) for q in qs if i < len(q)]
 
 
 def _light(snap: Snapshot, user: str, total: int, total_w: int) -> bool:
@@ -201,7 +222,7 @@ def reference_plan(snap: Snapshot) -> RefPlan:
     stop, blocked, taken = ("preempted" if preempted else "empty"), None, []
     reserved = next((r for r in snap.waiting if r.key is snap.reserved), None)
     if not preempted:  # 2. admission
-        order = vtc_order(snap) if snap.policy == "vtc" else [
+        order = vtc_order(snap) if snap.policy == "vtc" else rr_order(snap) if snap.policy == "rr" else [
             next(r for r in snap.waiting if r.key is k) for k in snap.queue]
         trials = ([r for r in sorted(snap.waiting, key=lambda r: r.arrival) if r.state == lc.PREEMPTED and r.g > 0]
                   if c.resume_first and snap.policy == "vtc" and reserved is None else [])
@@ -298,11 +319,13 @@ def _room_victims(snap: Snapshot, head: Req, need: int, free: int, live: list[Re
 
 @dataclass
 class After:
-    """The state a tick must leave: every request (by key), the FCFS queue, VTC's counters and
-    floor, the reservation, the streak, and per producing request its token's kind."""
+    """The state a tick must leave: every request (by key), the FCFS queue, round robin's turns,
+    VTC's counters and floor, the reservation, the streak, and per producing request its token's
+    kind."""
 
     reqs: dict[Any, Req]
     queue: list[Any]
+    turns: list[str]
     counters: dict[str, int]
     floor: int
     reserved: Any
@@ -317,14 +340,18 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
     """The state after ``plan`` ran and ``forward`` returned ``tokens`` (one per batch row)."""
     c = snap.cfg
     reqs = {r.key: r for r in [*snap.running, *snap.waiting]}
-    queue = list(snap.queue)
+    queue, turns = list(snap.queue), list(snap.turns)
     counters, floor = dict(snap.counters), snap.floor
     waiting_users = {r.user for r in snap.waiting}
+    n_waiting = Counter(r.user for r in snap.waiting)  # requests waiting per user, as the tick goes
     active = {r.user for r in [*snap.running, *snap.waiting]}  # users with a live request
     for key in plan.preempted:  # requeued (lifted if its user had nothing waiting), before admissions leave
         r = reqs[key]
         reqs[key] = replace(r, nc=0, h=0, pre=r.pre + 1, state=lc.PREEMPTED)
         queue.insert(0, key)
+        n_waiting[r.user] += 1
+        if r.user not in turns:  # round robin: a user with nothing waiting joins at the back
+            turns.append(r.user)
         if snap.policy == "vtc" and r.user not in waiting_users:
             others = [counters.get(u, 0) for u in waiting_users] or \
                 [counters.get(u, 0) for u in active if u != r.user]
@@ -342,6 +369,11 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
             admissions += 1
             if snap.policy == "fcfs":
                 queue.remove(key)
+            n_waiting[r.user] -= 1
+            if snap.policy == "rr":  # the user moves behind the others, or leaves with nothing waiting
+                turns.remove(r.user)
+                if n_waiting[r.user]:
+                    turns.append(r.user)
             reserved = None if reserved is key else reserved
         r = replace(r, h=r.h + b)
         if r.nc < r.P:
@@ -376,5 +408,5 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
         b = reqs[plan.blocked] = replace(b, blocked=b.blocked + 1)
         if reserved is None and fr.reserved_after(b.blocked, c.aging):
             reserved = plan.blocked
-    return After(reqs, queue, counters, floor, reserved, fr.next_streak(snap.streak, plan.isolated), admissions,
+    return After(reqs, queue, turns, counters, floor, reserved, fr.next_streak(snap.streak, plan.isolated), admissions,
                  first, produced, finished)

@@ -16,6 +16,8 @@ Steps per run and runs: ``BATCH_STATEFUL_STEPS`` (200) and ``BATCH_STATEFUL_EXAM
 from __future__ import annotations
 
 import os
+import threading
+import time
 import zlib
 
 import pytest
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from batch.policies.roundrobin import RoundRobinPolicy
 from batch.policies.vtc import VTCPolicy
 from conftest import StepClock
 from inference_stub import Request
@@ -40,6 +43,7 @@ STEPS = int(os.environ.get("BATCH_STATEFUL_STEPS", "200"))
 DRAIN_SLACK = 4
 EXAMPLES = int(os.environ.get("BATCH_STATEFUL_EXAMPLES", "50"))
 EOS = 0
+VOCAB = 64
 USERS = ("a", "b", "c")
 #: ``submit_burst`` runs only while at most this many requests are in flight (keeps runs short).
 MAX_IN_FLIGHT_FOR_BURST = 12
@@ -102,17 +106,47 @@ class RecordingBackend:
         self.eos_at: dict[str, int] = {}
         self.calls = 0
         self.batch_blocks: list[int] = []
-        self.fail_next = False  # the next call raises (a backend failure)
+        self.fail_next: str | None = None  # the next call fails: "raise", "extra" or "missing" token
+
+    vocab_size = VOCAB  # the scheduler refuses prompt ids >= this
+
+    during: object = None  # called once inside the next forward (another thread's abort)
 
     def __call__(self, batch: list[Request]) -> list[int]:
-        if self.fail_next:
-            self.fail_next = False
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        fail, self.fail_next = self.fail_next, None
+        if fail == "raise":
             raise OSError("planned backend failure")
         self.calls += 1
         self.batch_blocks.append(sum(rules.blocks_for(len(r.prompt) + len(r.generated), self.block_tokens)
                                      for r in batch))
-        return [EOS if self.eos_at.get(r.request_id) == len(r.generated) + 1
-                else token_at(r.request_id, len(r.generated) + 1) for r in batch]
+        out = [EOS if self.eos_at.get(r.request_id) == len(r.generated) + 1
+               else token_at(r.request_id, len(r.generated) + 1) for r in batch]
+        return out + [1] if fail == "extra" else out[:-1] if fail == "missing" else out
+
+
+class PagedBackend(RecordingBackend):
+    """The same model behind ``execute_model`` (``batch.core.backend_api``): each item must carry
+    exactly the tokens at positions ``num_computed_tokens ..`` of prompt + generated, a block
+    table covering them, and ``sample`` exactly when its last token is the last known one."""
+
+    bad: str | None = None  # what the items got wrong (the scheduler turns the raise into BackendError)
+
+    def execute_model(self, items: list) -> list[int]:
+        for it in items:
+            r = it.request
+            seq = [*r.prompt, *r.generated]
+            end = it.num_computed_tokens + len(it.token_ids)
+            if not it.token_ids or list(it.token_ids) != seq[it.num_computed_tokens:end]:
+                self.bad = f"{r.request_id}: items carry {list(it.token_ids)} at {it.num_computed_tokens}, the " \
+                           f"sequence has {seq[it.num_computed_tokens:end]}"
+            elif len(it.block_table) * self.block_tokens < end or it.sample != (end == len(seq)):
+                self.bad = f"{r.request_id}: {len(it.block_table)} blocks for {end} positions, sample {it.sample}"
+            if self.bad:
+                raise AssertionError(self.bad)
+        return self([it.request for it in items])
 
 
 class RecordingScheduler(Scheduler):
@@ -139,10 +173,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(cap_blocks=st.one_of(st.integers(8, 16), st.just(48)), block_tokens=st.sampled_from([4, 16]),
                 chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24]),
-                max_running=st.sampled_from([256, 3]), policy=st.sampled_from(["fcfs", "default", "packed", "band"]),
-                short_bounds=st.booleans(), prefix_caching=st.booleans())
+                max_running=st.sampled_from([256, 3]),
+                policy=st.sampled_from(["fcfs", "default", "packed", "band", "rr"]),
+                short_bounds=st.booleans(), prefix_caching=st.booleans(), paged=st.booleans(),
+                backend_tries=st.sampled_from([None, 2]))
     def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
-              max_running: int, policy: str, short_bounds: bool, prefix_caching: bool) -> None:
+              max_running: int, policy: str, short_bounds: bool, prefix_caching: bool, paged: bool,
+              backend_tries: int | None) -> None:
         """``chunk_tokens=0`` means the default chunk, which must be the spec's
         (``rules.PREFILL_CHUNK_TOKENS``, the problem's 64); ``budget_tokens=0`` the default budget
         (the cache's capacity in tokens).
@@ -156,16 +193,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         the reservation and the sit-out cap). ``band``: VTC with a tolerance band of 8 weighted
         tokens and user ``b`` weighing 2. ``prefix_caching``: full prompt blocks shared (the prompts
         here share their prefixes: every prompt is ``1, 2, 3, ...``); the reference tick does not
-        model it, the shared-block invariants are checked on the pool every tick instead."""
+        model it, the shared-block invariants are checked on the pool every tick instead. ``rr``:
+        per-user round robin (``RoundRobinPolicy``). ``paged``: the backend is called through
+        ``execute_model`` (``PagedBackend``). ``backend_tries``: ``max_backend_tries``."""
         self.step_failed = True  # until set up: teardown must not drain a half-built machine
-        self.backend = RecordingBackend(block_tokens)
+        self.backend = (PagedBackend if paged else RecordingBackend)(block_tokens)
+        self.failures = 0  # consecutive failed ticks (the retry policy's count)
+        self.abort_in_tick: tuple | None = None  # (record, thread, result) of abort_during_forward
         self.fcfs = fcfs = policy == "fcfs"
+        self.vtc = policy not in ("fcfs", "rr")
         knobs = fcfs_kwargs() if fcfs else ({"aging_ticks": 2, "max_sit_out_ticks": 1} if short_bounds else {})
         if policy == "packed":
             knobs["policy"] = VTCPolicy(headroom=False, weights={"a": 3})
             knobs["max_preemptions"] = 1
         if policy == "band":
             knobs["policy"] = VTCPolicy(tolerance_tokens=8, weights={"b": 2})
+        if policy == "rr":
+            knobs["policy"] = RoundRobinPolicy()
         if chunk_tokens:
             knobs["prefill_chunk_tokens"] = chunk_tokens
         self.pairs: list[tuple[Request, int]] = []  # what the on_tokens hook received in the last tick
@@ -173,7 +217,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = RecordingScheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens,
                                         token_budget_tokens=budget_tokens or None, max_running=max_running,
                                         backend=self.backend, clock=StepClock(), check_invariants=True,
-                                        on_tokens=self.pairs.extend, prefix_caching=prefix_caching, **knobs)
+                                        on_tokens=self.pairs.extend, prefix_caching=prefix_caching,
+                                        max_backend_tries=backend_tries, **knobs)
+        assert self.sched.vocab_size == VOCAB, "the scheduler did not take the backend's vocabulary"
         c = self.sched.config
         if not budget_tokens:  # the default budget: the cache's capacity in tokens (it never binds)
             assert c.token_budget_tokens == rules.max_model_len_tokens(cap_blocks, block_tokens), \
@@ -186,7 +232,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.chunk_eff = min(chunk_tokens, c.token_budget_tokens)
         # The default policy's admission bound (docs/fairness.md section 4) holds where every
         # resident request runs in every iteration it does not sit out: the budget never binds.
-        self.wait_bound_applies = not fcfs and c.token_budget_tokens >= min(
+        self.wait_bound_applies = self.vtc and c.token_budget_tokens >= min(
             c.max_running * chunk_tokens, cap_blocks * block_tokens)
         self.sit_out_cap = c.max_sit_out_ticks if c.isolation else 0
         self.max_work = 0  # the most iterations any accepted request can need (L), so far
@@ -198,6 +244,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ticks = 0
         self.next_id = 0
         self.accepted: dict[str, Request] = {}
+        self.first_submit_s: float | None = None
         self.key_of: dict[int, str] = {}  # id(request) -> its key in accepted
         self.returned: set[str] = set()
         self.deadline: dict[str, int] = {}  # rid -> tick by whose end it must have finished
@@ -209,28 +256,43 @@ class SchedulerMachine(RuleBasedStateMachine):
           prompt_tokens=st.one_of(st.integers(1, 40), st.integers(41, 300)),
           max_tokens=st.one_of(st.integers(0, 12), st.integers(13, 64)),
           eos_at=st.one_of(st.just(0), st.integers(1, 14), st.integers(15, 70)))
-    def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int, request_id: str = "") -> None:
+    def submit(self, user: str, prompt_tokens: int, max_tokens: int, eos_at: int, request_id: str = "",
+               prompt: list[int] | None = None, req: Request | None = None) -> None:
         """``eos_at``: the output position at which the backend returns EOS (0: never).
         ``request_id``: shared with other requests (the contract does not make ids unique; such
-        requests never see EOS); by default the request's own key ``r<n>``."""
+        requests never see EOS); by default the request's own key ``r<n>``. ``prompt``: these ids
+        instead of ``1, 2, 3, ...``; ``req``: submit this (returned) object again."""
         s = self.sched
         rid = f"r{self.next_id}"  # the machine's key for the request
         self.next_id += 1
-        req = Request(user_id=user, prompt=[1 + i % 63 for i in range(prompt_tokens)], max_tokens=max_tokens,
-                      request_id=request_id or rid)
+        if req is None:
+            req = Request(user_id=user, prompt=prompt or [1 + i % 63 for i in range(prompt_tokens)],
+                          max_tokens=max_tokens, request_id=request_id or rid)
         before = self._observable()
-        if max_tokens < 1:
-            with pytest.raises(InvalidRequestError):
+        refusal = InvalidRequestError if any(t >= VOCAB for t in req.prompt) or max_tokens < 1 else \
+            PromptTooLongError if not rules.prompt_fits(prompt_tokens, s.config.kv_cap_blocks, s.config.block_tokens) \
+            else None
+        if refusal is not None:
+            try:
                 s.submit(req)
-        elif not rules.prompt_fits(prompt_tokens, s.config.kv_cap_blocks, s.config.block_tokens):
-            with pytest.raises(PromptTooLongError):
-                s.submit(req)
+            except refusal:
+                pass
+            else:
+                self.step_failed = True  # teardown must not drain a scheduler that holds an unknown request
+                raise AssertionError(f"{rid} accepted; the rules refuse it with {refusal.__name__}")
         else:
             if eos_at and not request_id:
                 self.backend.eos_at[rid] = eos_at
             older = sum(model.fcfs_service_ticks(len(r.prompt), r.max_tokens, self.chunk_eff)
                         for q, r in self.accepted.items() if q not in self.returned)
-            s.submit(req)
+            try:
+                s.submit(req)
+            except (InvalidRequestError, PromptTooLongError) as e:
+                raise AssertionError(f"{rid} ({prompt_tokens} prompt tokens) refused, the rules accept it: {e}") from e
+            if self.first_submit_s is None:
+                self.first_submit_s = req.submitted_at
+            assert req.started_at is None and req.completed_at is None and req.generated == [], \
+                f"{rid} accepted with started_at {req.started_at}, completed_at {req.completed_at}, {req.generated}"
             self.accepted[rid] = req
             self.key_of[id(req)] = rid
             self.seq_of[rid] = s.state.by_obj[id(req)]
@@ -277,8 +339,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(live), label="rid")
         before = self._observable()
         # The same object again, in any state: refused as a duplicate, changing nothing.
-        with pytest.raises(DuplicateRequestError):
+        try:
             self.sched.submit(self.accepted[rid])
+        except DuplicateRequestError:
+            pass
+        else:
+            self.step_failed = True
+            raise AssertionError(f"{rid} submitted twice while in flight was accepted")
         assert self._observable() == before
 
     @precondition(lambda self: self.sched is not None and any(q not in self.returned for q in self.accepted))
@@ -305,14 +372,96 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(n):
             self.submit(user, prompt_tokens, max_tokens, 0, request_id=shared)
 
+    @precondition(lambda self: self.sched is not None)
+    @rule(user=st.sampled_from(USERS), less=st.integers(0, 2), max_tokens=st.integers(1, 4))
+    def submit_at_the_cache_limit(self, user: str, less: int, max_tokens: int) -> None:
+        """A prompt of ``cap * block_tokens - less`` tokens: accepted exactly when it fits with its
+        first output slot (``rules.prompt_fits``; ``submit`` checks which error)."""
+        c = self.sched.config
+        self.submit(user, c.kv_cap_blocks * c.block_tokens - less, max_tokens, 0)
+
+    @rule(user=st.sampled_from(USERS), token=st.sampled_from([VOCAB - 1, VOCAB, VOCAB + 7]), at=st.integers(0, 9))
+    def submit_token_at_the_vocabulary_edge(self, user: str, token: int, at: int) -> None:
+        """A prompt with one id at the edge of the backend's vocabulary: ids ``>= vocab_size`` are
+        an ``InvalidRequestError`` changing nothing, ``vocab_size - 1`` is accepted."""
+        if self.sched is not None:
+            prompt = [1 + i for i in range(10)]
+            prompt[at] = token
+            self.submit(user, len(prompt), 3, 0, prompt=prompt)
+
+    @precondition(lambda self: self.sched is not None and any(
+        self.seq_of[q].state == lc.ABORTED and len(r.generated) <= 1 and self.key_of[id(r)] == q
+        for q, r in self.accepted.items()))
+    @rule(data=st.data())
+    def resubmit_aborted(self, data: st.DataObject) -> None:
+        """The same ``Request`` object again after it was aborted (with at most one token, so its
+        old figures hold no inter-token gap): accepted afresh, ``generated`` emptied and its
+        timestamps cleared (``submit`` checks)."""
+        old = sorted((q for q, r in self.accepted.items() if self.seq_of[q].state == lc.ABORTED
+                      and len(r.generated) <= 1 and self.key_of[id(r)] == q), key=lambda q: int(q[1:]))
+        r = self.accepted[data.draw(st.sampled_from(old), label="rid")]
+        self.submit(r.user_id, len(r.prompt), r.max_tokens, 0, req=r)
+
+    @precondition(lambda self: self.sched is not None and self.sched.has_active())
+    @rule(data=st.data())
+    def abort_during_forward(self, data: st.DataObject) -> None:
+        """Another thread aborts a request of the batch while ``forward`` runs: its ``abort`` waits
+        for the tick to end, then returns the request if the tick did not finish it (it is then
+        aborted, its token of this tick kept) and ``None`` if it did (``tick()`` returned it).
+        Requests about to finish are drawn first."""
+        plan = self.sched.schedule()
+        if not plan.seqs:
+            return
+        ending = [q for q, k in zip(plan.seqs, plan.num_new_tokens) if q.num_computed_tokens + k == q.num_tokens
+                  and (len(q.req.generated) + 1 >= q.req.max_tokens
+                       or self.backend.eos_at.get(q.req.request_id) == len(q.req.generated) + 1)]
+        seq = data.draw(st.sampled_from(ending or list(plan.seqs)), label="victim")
+        result: dict[str, object] = {}
+        waiting = threading.Event()
+
+        def abort_it() -> None:
+            waiting.set()
+            result["got"] = self.sched.abort(seq.req)
+        other = threading.Thread(target=abort_it, daemon=True)
+
+        def start() -> None:  # inside forward: let the other thread reach abort() and wait there
+            other.start()
+            waiting.wait(5)
+            time.sleep(0.02)
+        self.backend.during = start
+        self.abort_in_tick = (seq, other, result)
+        self.tick()
+
+    def _settle_abort(self, finished: list[Request]) -> None:
+        seq, other, result = self.abort_in_tick
+        self.abort_in_tick = None
+        other.join(10)
+        assert not other.is_alive(), "abort() during forward did not return after the tick"
+        rid = self.key_of[id(seq.req)]
+        if any(r is seq.req for r in finished):
+            assert result["got"] is None, f"{rid} finished in the tick, yet abort() returned it"
+        else:
+            assert result["got"] is seq.req and seq.state == lc.ABORTED, \
+                f"{rid}: abort() during forward returned {result['got']}, state {seq.state}"
+            self.returned.add(rid)
+            self.state_of[rid] = lc.ABORTED
+
     @rule()
     def tick(self) -> None:
         calls = self.backend.calls
         gen = {rid: len(r.generated) for rid, r in self.accepted.items() if rid not in self.returned}
         self.pairs.clear()
         self.step_failed = True
-        finished = self.sched.tick()
+        try:
+            finished = self.sched.tick()
+        except BackendError as e:
+            if getattr(self.backend, "bad", None):
+                raise AssertionError(f"execute_model got wrong items: {self.backend.bad}") from e
+            raise
         self.step_failed = False
+        self.failures = 0
+        if self.abort_in_tick is not None:
+            self._settle_abort(finished)
         self.nonempty_ticks += self.backend.calls > calls
         # the on_tokens hook got each token this tick appended, once, in batch order
         grew = [(rid, self.accepted[rid].generated[-1]) for rid, n in gen.items()
@@ -334,16 +483,43 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.preemption_cap_and_aging_hold()
 
     @precondition(lambda self: self.sched is not None and self.sched.has_active())
-    @rule()
-    def failing_tick(self) -> None:
-        """A tick whose backend raises: ``BackendError``, and nothing changed (blocks, records,
-        tokens, the queue, counters), so the next tick redoes it."""
-        if not self.sched.schedule().seqs:  # an empty batch calls no backend: nothing can fail
+    @rule(mode=st.sampled_from(["raise", "extra", "missing"]))
+    def failing_tick(self, mode: str) -> None:
+        """A tick whose backend raises or answers one token too many or too few: ``BackendError``,
+        and nothing changed (blocks, records, tokens, the queue, counters), so the next tick
+        redoes it; with ``max_backend_tries=N``, the N-th failure in a row instead returns the
+        batch's requests, each aborted with reason ``"error"``."""
+        plan = self.sched.schedule()
+        if not plan.seqs:  # an empty batch calls no backend: nothing can fail
+            return
+        tries = self.sched.max_backend_tries
+        self.backend.fail_next = mode
+        if tries is not None and self.failures + 1 >= tries:
+            batch = [self.key_of[id(q.req)] for q in plan.seqs]
+            self.step_failed = True
+            try:
+                out = self.sched.tick()
+            except BackendError as e:
+                raise AssertionError(f"failure {self.failures + 1} in a row raised with max_backend_tries={tries}: "
+                                     f"{e}") from e
+            self.step_failed = False
+            self.failures = 0
+            assert [self.key_of[id(r)] for r in out] == batch, f"failure {tries} returned {out}, the batch {batch}"
+            assert self.sched.last_finished == [(r, "error") for r in out]
+            for q in batch:
+                assert self.seq_of[q].state == lc.ABORTED and self.seq_of[q].finish_reason == "error", q
+                self.returned.add(q)
+                self.state_of[q] = lc.ABORTED
             return
         before = self._full_state()
-        self.backend.fail_next = True
-        with pytest.raises(BackendError):
+        try:
             self.sched.tick()
+        except BackendError:
+            pass
+        else:
+            self.step_failed = True
+            raise AssertionError(f"the backend's {mode!r} failure was accepted: no BackendError")
+        self.failures += 1
         assert self._full_state() == before, "a failed tick changed the scheduler"
 
     @rule(n=st.integers(2, 30))
@@ -417,7 +593,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         (``charged_counter``), so picks interleave users. (The reference tick checks only the
         admitted prefix of the order; this checks all of it.)"""
         s = self.sched
-        if s is None or self.fcfs:
+        if s is None or not self.vtc:
             return
         policy = s.policy
         left: dict[str, list] = {}
@@ -462,7 +638,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         e2e = sorted(r.completed_at - r.submitted_at for r in done)
         ttft = sorted(r.started_at - r.submitted_at for r in done)
-        span = max(r.completed_at for r in done) - min(r.submitted_at for r in self.accepted.values())
+        span = max(r.completed_at for r in done) - self.first_submit_s
         tpot = sorted((r.completed_at - r.started_at) / (len(r.generated) - 1) for r in done if len(r.generated) > 1)
         assert m["throughput_tokens_per_sec"] == pytest.approx(m["output_tokens"] / span)
         assert m["request_throughput"] == pytest.approx(len(done) / span)
@@ -473,8 +649,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert m[key] == pytest.approx(percentile(xs, q) if xs else 0.0), key
         # inter-token gaps: each request's gaps add up to its last token's time less its first's
         gaps = sum((r.completed_at if self.seq_of[q].state == lc.DONE else self.seq_of[q].last_token_s) - r.started_at
-                   for q, r in self.accepted.items() if r.started_at is not None and len(r.generated) > 1)
+                   for q, r in self.accepted.items()
+                   if self.key_of[id(r)] == q and r.started_at is not None and len(r.generated) > 1)
         assert m["itl_mean_s"] * len(s.stats.itl_s) == pytest.approx(gaps)
+
+    @invariant()
+    def timestamps_ordered(self) -> None:
+        """Each request's times, on the one clock the metrics read: ``submitted_at`` <= its first
+        admission (``admitted_s``, the queue time's end, kept across preemptions) <= ``started_at``
+        (its first token) <= ``completed_at``; ``started_at`` is set exactly when it has a token, and
+        ``completed_at`` exactly when it was returned."""
+        if self.sched is None:
+            return
+        for q, r in self.accepted.items():
+            if self.key_of[id(r)] != q:  # submitted again since: its newest key speaks for it
+                continue
+            a, seq = self.seq_of[q].admitted_s, self.seq_of[q]
+            assert (r.started_at is None) == (not r.generated), f"{q}: started_at {r.started_at}, {len(r.generated)} tokens"
+            assert (r.completed_at is None) == (q not in self.returned), f"{q}: completed_at {r.completed_at}"
+            assert a is None or r.submitted_at <= a, f"{q}: admitted at {a}, submitted at {r.submitted_at}"
+            if r.started_at is not None:
+                assert a is not None and a <= r.started_at, f"{q}: first token at {r.started_at}, admitted at {a}"
+            assert seq.state == lc.QUEUED or a is not None or seq.state == lc.ABORTED, f"{q} {seq.state}, never admitted"
 
     @invariant()
     def lifecycle_follows_the_table(self) -> None:
@@ -570,8 +766,23 @@ def stateful_settings(steps: int = STEPS, examples: int = EXAMPLES, **kw) -> set
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], **kw)
 
 
+class RoundRobinMachine(SchedulerMachine):
+    """The same programs under ``RoundRobinPolicy`` only (its order and turns are checked by the
+    reference tick): in the main machine it is one policy of five, too rare in a short run."""
+
+    @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
+                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24]),
+                max_running=st.sampled_from([256, 3]), paged=st.booleans())
+    def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int, max_running: int,
+              paged: bool) -> None:
+        super().setup(cap_blocks, block_tokens, chunk_tokens, budget_tokens, max_running, "rr", False, False, paged,
+                      None)
+
+
 TestScheduler = pytest.mark.slow(SchedulerMachine.TestCase)
 TestScheduler.settings = stateful_settings()
+TestRoundRobin = pytest.mark.slow(RoundRobinMachine.TestCase)
+TestRoundRobin.settings = stateful_settings(examples=max(1, EXAMPLES // 3))
 
 
 def run_machine(steps: int = 200, examples: int = 30) -> None:
@@ -581,5 +792,6 @@ def run_machine(steps: int = 200, examples: int = 30) -> None:
     depend on the run's random seed (with random seeds, one full-suite run let the "admission
     needs a spare block" plant through: 0 misses in 20 runs of it alone, 1 in that suite run).
     """
-    run_state_machine_as_test(SchedulerMachine, settings=stateful_settings(
-        steps, examples, phases=[Phase.generate], database=None, print_blob=False, derandomize=True))
+    for machine, n in ((SchedulerMachine, examples), (RoundRobinMachine, max(1, examples // 3))):
+        run_state_machine_as_test(machine, settings=stateful_settings(
+            steps, n, phases=[Phase.generate], database=None, print_blob=False, derandomize=True))
