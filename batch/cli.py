@@ -6,10 +6,17 @@
     python -m batch --backend model                      # a tiny seeded Llama on the paged KV cache
     python -m batch --backend model --model PATH         # a local Hugging Face checkpoint directory
     python -m batch --policy fcfs --json                 # FCFS admission; one JSON object of the metrics
+    python -m batch --trace mooncake_conversation_trace.jsonl --limit 400 --kv-cap-blocks 2048
+                                                         # a Mooncake trace, prefix caching on (its default)
 
 Installed, the same command is ``batch-sim``. A ``--trace`` given by file name is looked up in
 ``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the checkout
 (``batch.sim.traces``). The replay, the metrics table and the JSON are ``batch.sim.simulate``'s.
+
+Prefix caching (``Scheduler(prefix_caching=True)``, ``docs/prefix-caching.md``) is on by default for
+a Mooncake ``.jsonl`` trace, whose prompts share prefixes (``hash_ids``), and off otherwise, as
+``Scheduler()`` ships; ``--prefix-caching`` / ``--no-prefix-caching`` choose. A Mooncake prompt is
+about 7,000 tokens: give it a cache that fits (``--kv-cap-blocks 2048``); the default stays 256.
 
 A run that lasts more than 2 s shows a progress bar of finished requests on stderr when stderr is
 a terminal. A bad argument is one ``batch: error: ...`` line on stderr and exit status 2 (``--help``
@@ -105,7 +112,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "batch") -> int:
 def _main(argv: Sequence[str] | None, prog: str) -> int:
     p = OneLineErrorParser(prog=prog, description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", help="a normalised trace CSV (path, or a file name in the traces folder)")
+    p.add_argument("--trace", help="a normalised trace CSV or a Mooncake .jsonl (path, or a file name in the "
+                                   "traces folder)")
     p.add_argument("--trace-dir", default=None,
                    help=f"the traces folder a bare --trace name is looked up in (default ${traces.TRACES_ENV}, "
                         "else ../shared/traces beside the checkout)")
@@ -124,6 +132,9 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                    help="chance of an early EOS per token (default 0.02 for stream; 0 for traces, so each "
                         "request runs to its recorded output length)")
     p.add_argument("--kv-cap-blocks", type=_count(1), default=None, help="KV cache size in blocks (default 256)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share full prompt blocks by content (default: on for a Mooncake .jsonl trace, "
+                        "off otherwise); the metrics then carry the prefix-cache hit rate")
     p.add_argument("--max-running", type=_count(1), default=None, help="most resident requests (default 256)")
     p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
     p.add_argument("--no-progress", action="store_true",
@@ -176,6 +187,12 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     virtual = (a.clock or ("virtual" if a.trace else "real")) == "virtual"
     kw = {k: v for k, v in (("kv_cap_blocks", a.kv_cap_blocks), ("max_running", a.max_running),
                             ("token_budget_tokens", a.token_budget)) if v is not None}
+    prefix = a.prefix_caching if a.prefix_caching is not None else bool(a.trace and a.trace.endswith(".jsonl"))
+    if prefix:
+        if sched_cls is not Scheduler:
+            p.error(f"--prefix-caching needs a policy of Scheduler (--policy {a.policy} is {sched_cls.__name__}); "
+                    f"pass --no-prefix-caching")
+        kw["prefix_caching"] = True
     eos_p = a.eos_probability if a.eos_probability is not None else (0.0 if a.trace else
                                                                       inference_stub.EOS_PROBABILITY)
     # a bar on a terminal only, and only once the run has lasted simulate.PROGRESS_DELAY_S

@@ -17,6 +17,10 @@ iteration for the scheduler's ``BatchItem``s:
    undoes the tick too);
 4. greedy decoding: ``argmax`` of the logits at each sampled item's last token.
 
+With ``Scheduler(prefix_caching=True)`` the block tables share the cached blocks of a common
+prompt prefix and ``num_computed_tokens`` starts past them: step 2 reads their KV, written by the
+request that computed them, and nothing here changes.
+
 No model code is copied: the attention function is the only hook. Nothing is downloaded:
 ``tiny_llama`` builds a seeded random model from a ``LlamaConfig``, ``load_model`` reads a
 local checkpoint directory (config + safetensors).
@@ -292,7 +296,9 @@ class ModelBackend:
 
     def attach(self, scheduler: Any) -> Any:
         """Check that ``scheduler`` matches this cache; with ``poison_freed_blocks``, poison the
-        blocks its pool frees from now on. Returns the scheduler.
+        blocks its pool frees from now on (with prefix caching, only those nobody holds and the
+        prefix cache does not keep: a cached block's KV is read by every later hit on it).
+        Returns the scheduler.
 
         Raises:
             ValueError: the scheduler's ``kv_cap_blocks`` or ``block_tokens`` differ from the cache's.
@@ -301,7 +307,14 @@ class ModelBackend:
             raise ValueError(f"scheduler has {scheduler.config.kv_cap_blocks} blocks of {scheduler.config.block_tokens} tokens, "
                              f"the cache {self.num_blocks} of {self.block_tokens}")
         if self.poison_freed_blocks:
-            scheduler.pool.on_free = self.cache.poison
+            pool = scheduler.pool
+            if getattr(scheduler.config, "prefix_caching", False):
+                # a freed block another table still holds, or one the prefix cache keeps (its KV is
+                # read again on a hit), is not garbage: poison only those back on the free list
+                scheduler.pool.on_free = lambda blocks: self.cache.poison(
+                    [b for b in blocks if pool.refs[b] == 0 and b not in pool.key_of])
+            else:
+                scheduler.pool.on_free = self.cache.poison
         return scheduler
 
     @torch.inference_mode()

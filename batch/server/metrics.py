@@ -23,6 +23,8 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:kv_cache_blocks_used`` | gauge | KV blocks used |
 | ``batch:requests_in_flight`` | gauge | accepted by the scheduler, not yet finished or aborted |
 | ``batch:num_preemptions_total`` | counter | preemptions by recompute |
+| ``batch:prefix_cache_queries_total`` | counter | prompt tokens looked up in the prefix cache at admission (0 with prefix caching off) |
+| ``batch:prefix_cache_hits_total`` | counter | of those, tokens found cached (hit rate = hits / queries, as vLLM's) |
 | ``batch:iteration_seconds_per_token_total`` | counter | sum over tokens of their tick's wall time |
 | ``batch:engine_output_tokens_total`` | counter | output tokens the engine produced |
 | ``batch:engine_cpu_seconds_total`` | counter | CPU seconds of the engine thread |
@@ -69,6 +71,12 @@ class _SchedulerCollector:
                                 "Requests accepted by the scheduler and not yet finished or aborted.", snap.in_flight)
         yield CounterMetricFamily("batch:num_preemptions", "Preemptions by recompute.",
                                   self.engine.scheduler.stats.preemptions)
+        pool = self.engine.scheduler.pool  # a PrefixCachingPool keeps the counts; a plain pool has none
+        yield CounterMetricFamily("batch:prefix_cache_queries", "Prefix cache queries: prompt tokens looked up at "
+                                  "admission (every admission, a preempted request's again).",
+                                  getattr(pool, "query_tokens", 0))
+        yield CounterMetricFamily("batch:prefix_cache_hits", "Prefix cache hits: looked-up tokens found cached.",
+                                  getattr(pool, "hit_tokens", 0))
         yield CounterMetricFamily("batch:iteration_seconds_per_token", "Sum over output tokens of the wall time "
                                   "of the tick that produced each (divided by the tokens: the token-weighted "
                                   "iteration time).", self.engine.token_iteration_s)

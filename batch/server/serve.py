@@ -96,7 +96,7 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
                  eos_probability: float = inference_stub.EOS_PROBABILITY, policy: str = "vtc",
                  weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
                  max_running: int | None = None, device: str | None = None, dtype: str = "float32",
-                 check_invariants: bool = False) -> tuple[Engine, Tokenizer, str]:
+                 check_invariants: bool = False, prefix_caching: bool = False) -> tuple[Engine, Tokenizer, str]:
     """The engine (scheduler + backend) and tokenizer ``batch serve`` runs.
 
     Args:
@@ -109,6 +109,9 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
         kv_cap_blocks, max_running: scheduler knobs (defaults: the stub's 256 blocks, 256).
         device, dtype: the model backend's.
         check_invariants: evaluate the spec invariants after every tick (slow; tests).
+        prefix_caching: share full prompt blocks by content (``Scheduler(prefix_caching=True)``):
+            every tokenizer here gives a shared text prefix (a system prompt) the same leading
+            ids, so a repeated one hits; ``/metrics`` counts ``batch:prefix_cache_hits`` / ``_queries``.
 
     Returns:
         ``(engine, tokenizer, model_name)``.
@@ -124,7 +127,8 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
     pol = VTCPolicy(weights=weights or {}) if policy == "vtc" else (
         FCFSPolicy() if policy == "fcfs" else RoundRobinPolicy())
     kw: dict[str, Any] = {"policy": pol, "record_itl": False, "check_invariants": check_invariants,
-                          "max_backend_tries": 3}  # a failing backend fails its batch, not the server
+                          "max_backend_tries": 3,  # a failing backend fails its batch, not the server
+                          "prefix_caching": prefix_caching}
     if max_running is not None:
         kw["max_running"] = max_running
     if backend == "sim":
@@ -159,7 +163,7 @@ _positive_float.__name__ = "finite number > 0"
 
 #: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
 #: when set to anything but their default (rather than silently ignored).
-_NOT_WITH_REPLICAS = ("max_running", "max_waiting", "served_model_name", "max_user_labels",
+_NOT_WITH_REPLICAS = ("max_running", "max_waiting", "prefix_caching", "served_model_name", "max_user_labels",
                       "log_level", "device", "dtype")
 
 
@@ -233,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="per-user weights and API keys (JSON, or TOML by .toml)")
     p.add_argument("--kv-cap-blocks", type=int, default=None, help="KV cache blocks (default 256)")
     p.add_argument("--max-running", type=int, default=None, help="most resident requests (default 256)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="share full prompt blocks by content, so a repeated system prompt is not computed again "
+                        "(default off, as Scheduler(); docs/prefix-caching.md)")
     p.add_argument("--max-waiting", type=int, default=2048,
                    help="most requests waiting for their first token; more get 429 (default 2048)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -280,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine, tok, name = build_engine(backend=backend, model=a.model, time_scale=a.time_scale, seed=a.seed,
                                          eos_probability=a.eos_probability, policy=a.policy, weights=users.weights,
                                          kv_cap_blocks=a.kv_cap_blocks, max_running=a.max_running, device=a.device,
-                                         dtype=a.dtype)
+                                         dtype=a.dtype, prefix_caching=a.prefix_caching)
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
                            api_keys=users.api_keys, seed_by_prompt=backend == "sim",
                            max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field,

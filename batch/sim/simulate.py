@@ -226,6 +226,9 @@ def format_metrics(m: dict, result: RunResult | None = None, *, slo: goodput.SLO
         ("avg batch (requests / tokens)", f"{m['avg_batch_requests']:.1f} / {m['avg_batch_tokens']:.1f}"),
         ("KV utilization (avg of cap)", f"{m['kv_utilization']:.3f}"),
         ("preemptions", f"{m['preemptions']}"),
+        *([("prefix cache hit rate", f"{m['prefix_cache_hit_rate'] * 100:.1f}%  ({m['prefix_cache_hits']} of "
+                                     f"{m['prefix_cache_queries']} tokens looked up at admission)")]
+          if "prefix_cache_queries" in m else []),
         ("finish reasons", f"{m['finish_reasons']}"),
         *([("Jain index (output tokens/user)", f"{goodput.jain_index_of(result.finished):.3f}")]
           if result is not None else []),
@@ -240,7 +243,9 @@ def format_metrics(m: dict, result: RunResult | None = None, *, slo: goodput.SLO
 def json_metrics(m: dict, result: RunResult, *, slo: goodput.SLO, good: int, **context: object) -> dict:
     """What ``--json`` prints: ``context`` (policy, backend, clock, workload), then vLLM
     ``benchmark_serving``'s keys (``goodput.benchmark_metrics``), the goodput's SLOs and
-    count, Batch's own figures, and the whole ``Scheduler.metrics()`` under ``scheduler_metrics``."""
+    count, Batch's own figures (the prefix cache's ``prefix_cache_queries`` / ``_hits`` /
+    ``_hit_rate``, tokens, 0 with prefix caching off), and the whole ``Scheduler.metrics()`` under
+    ``scheduler_metrics``."""
     return {
         **context,
         **goodput.benchmark_metrics(m, good_completed=good),
@@ -248,6 +253,11 @@ def json_metrics(m: dict, result: RunResult, *, slo: goodput.SLO, good: int, **c
         "good_completed": good,
         "refused": m["refusals"],
         "preemptions": m["preemptions"],
+        # prefix caching (Scheduler(prefix_caching=True)): vLLM's counters, tokens; 0 with it off
+        "prefix_caching": bool(getattr(getattr(result.scheduler, "config", None), "prefix_caching", False)),
+        "prefix_cache_queries": m.get("prefix_cache_queries", 0),
+        "prefix_cache_hits": m.get("prefix_cache_hits", 0),
+        "prefix_cache_hit_rate": m.get("prefix_cache_hit_rate", 0.0),
         "gpu_utilization": m["gpu_utilization"],  # the contract's: fraction of ticks whose batch was non-empty
         "gpu_busy_fraction": result.gpu_busy_fraction(m["duration_s"]),  # time in forward / duration
         "jain_index_output_tokens": goodput.jain_index_of(result.finished),

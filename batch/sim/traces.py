@@ -3,6 +3,10 @@
 ``load_trace`` replays the normalised trace CSVs (``arrival_s,prompt_tokens,output_tokens,user_id``)
 of the shared traces folder: the Azure LLM inference trace 2023 (Patel et al., Splitwise,
 ISCA 2024) and the Mooncake FAST'25 traces; the anchor traces are in its ``anchors/`` folder.
+A ``.jsonl`` file is read as a Mooncake trace (``load_mooncake``): ``timestamp`` (ms),
+``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token block of the prompt,
+from which the prompt's token ids are derived so that equal ids give equal tokens (the prefix
+cache's hits; ``docs/prefix-caching.md``).
 
 A trace given by file name is looked up in the traces folder, found by a setting, never by
 where this file is installed. First to last:
@@ -18,6 +22,7 @@ Run from a checkout, the default is what it always was: ``../shared/traces`` bes
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import random
@@ -30,6 +35,8 @@ TRACES_ENV = "BATCH_TRACES_DIR"
 #: The anchor traces' sub-folder (``bench/vllm_compare.py`` and the sweeps read them).
 ANCHORS = "anchors"
 _TOKEN_IDS = range(1, VOCAB_SIZE)
+#: Tokens per Mooncake ``hash_ids`` entry (the trace's block; ``ceil(input_length / 512)`` ids a row).
+MOONCAKE_BLOCK_TOKENS = 512
 
 
 def project_root(start: str | os.PathLike | None = None) -> Path | None:
@@ -117,6 +124,8 @@ def load_trace(
         trace_dir: the traces folder a bare file name is looked up in (default: ``$BATCH_TRACES_DIR``,
             else ``../shared/traces`` beside the checkout).
 
+    A ``.jsonl`` file is a Mooncake trace: ``load_mooncake`` reads it (the same arguments).
+
     Returns:
         Requests ``t0, t1, ...`` in file order: a prompt of ``prompt_tokens`` ids in 1..63,
         ``max_tokens = output_tokens``, ``submitted_at`` = the (scaled) arrival offset, seconds.
@@ -131,13 +140,13 @@ def load_trace(
             arrival made a replay wait for ever), or a negative token count; a file that is not
             UTF-8 text or not CSV; ``time_scale`` not a finite number > 0; ``users < 1``.
     """
-    if not 0 < time_scale < math.inf:
-        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
-    if users < 1:
-        raise ValueError(f"users must be >= 1, got {users}")
+    _check_scale_users(time_scale, users)
+    found = resolve_trace(path, trace_dir)
+    if found.suffix == ".jsonl":
+        return load_mooncake(found, limit=limit, time_scale=time_scale, users=users, seed=seed)
     rng = random.Random(seed)
     out: list[Request] = []
-    with open(resolve_trace(path, trace_dir), newline="", encoding="utf-8") as f:
+    with open(found, newline="", encoding="utf-8") as f:
         try:
             rows = _numbered_rows(csv.DictReader(f), path, limit)
         except (csv.Error, UnicodeDecodeError) as e:  # a NUL byte, a binary file
@@ -167,4 +176,110 @@ def load_trace(
                 submitted_at=arrival_s,
             )
         )
+    return out
+
+
+def _check_scale_users(time_scale: float, users: int) -> None:
+    if not 0 < time_scale < math.inf:
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
+    if users < 1:
+        raise ValueError(f"users must be >= 1, got {users}")
+
+
+def block_token_ids(hash_id: int, seed: int = 0, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+    """The ``block_tokens`` token ids (in 1..63) standing for one Mooncake prompt block: a pure
+    function of ``(hash_id, seed)``, so equal hash ids give equal tokens in every request and
+    every process (``random.Random`` seeded by an int is the same on every run)."""
+    return random.Random(hash_id * 1_000_003 + seed).choices(_TOKEN_IDS, k=block_tokens)
+
+
+def mooncake_prompt(input_length: int, hash_ids: list[int], seed: int = 0,
+                    cache: dict[int, list[int]] | None = None) -> list[int]:
+    """A prompt of ``input_length`` synthetic token ids from a Mooncake row's ``hash_ids``: block
+    ``i`` (tokens ``512 i .. 512 i + 511``) is ``block_token_ids(hash_ids[i])``, the last block cut
+    to the prompt's length. Two rows whose leading ids agree share that prefix token for token.
+
+    Raises:
+        ValueError: ``len(hash_ids) != ceil(input_length / 512)`` (every row of the Mooncake
+            traces satisfies it), or ``input_length < 0``.
+    """
+    if input_length < 0 or len(hash_ids) != -(-input_length // MOONCAKE_BLOCK_TOKENS):
+        raise ValueError(f"input_length {input_length} needs {-(-input_length // MOONCAKE_BLOCK_TOKENS)} "
+                         f"hash ids of {MOONCAKE_BLOCK_TOKENS} tokens, got {len(hash_ids)}")
+    cache = {} if cache is None else cache
+    out: list[int] = []
+    for h in hash_ids:
+        block = cache.get(h)
+        if block is None:
+            block = cache[h] = block_token_ids(h, seed)
+        out.extend(block)
+    del out[input_length:]
+    return out
+
+
+def load_mooncake(
+    path: str | os.PathLike,
+    *,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    users: int = 1,
+    seed: int = 0,
+    trace_dir: str | os.PathLike | None = None,
+) -> list[Request]:
+    """Requests from a Mooncake FAST'25 JSONL trace (``timestamp`` ms since the trace's start,
+    ``input_length``, ``output_length``, ``hash_ids``).
+
+    Args:
+        path: a ``.jsonl`` path, or a file name in the traces folder.
+        limit: keep only the first ``limit`` rows (``None``: all).
+        time_scale: multiply every arrival offset by this.
+        users: the trace has no user id: each row's user is ``u1..u<users>``, drawn with ``seed``
+            (the same draws as ``load_trace`` makes for a CSV without ``user_id``).
+        seed: seed for user assignment; the prompt tokens depend on the hash ids only (and on
+            nothing else, so that two runs, or Batch and vLLM, see the same prompts).
+        trace_dir: the traces folder a bare file name is looked up in.
+
+    Returns:
+        Requests ``t0, t1, ...`` in file order: ``prompt = mooncake_prompt(input_length, hash_ids)``,
+        ``max_tokens = output_length``, ``submitted_at`` = (timestamp - the first row's) / 1000 s,
+        scaled.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError: as ``resolve_trace``.
+        ValueError: a malformed row, naming the file and the line: not JSON, a field missing or of
+            the wrong type, a negative or non-finite timestamp, a negative count, hash ids that do
+            not cover the prompt; ``time_scale`` or ``users`` out of range.
+    """
+    _check_scale_users(time_scale, users)
+    rng = random.Random(seed)
+    blocks: dict[int, list[int]] = {}
+    out: list[Request] = []
+    first_ms: float | None = None
+    with open(resolve_trace(path, trace_dir), encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}: line {line_no}"
+            try:
+                row = json.loads(line)
+                ts_ms, plen, olen, ids = (row["timestamp"], row["input_length"], row["output_length"],
+                                          row["hash_ids"])
+                if not (all(type(v) is int for v in (plen, olen, *ids)) and isinstance(ts_ms, (int, float))
+                        and not isinstance(ts_ms, bool)):
+                    raise TypeError("timestamp must be a number; input_length, output_length and hash_ids ints")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{where}: not a Mooncake row ({type(e).__name__}: {e})") from None
+            if not 0 <= ts_ms < math.inf or plen < 0 or olen < 0:
+                raise ValueError(f"{where}: timestamp must be finite ms >= 0 and lengths >= 0, got "
+                                 f"timestamp={ts_ms!r}, input_length={plen}, output_length={olen}")
+            first_ms = ts_ms if first_ms is None else first_ms
+            try:
+                prompt = mooncake_prompt(plen, ids, cache=blocks)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            out.append(Request(user_id=f"u{rng.randint(1, users)}", prompt=prompt, max_tokens=olen,
+                               request_id=f"t{len(out)}",
+                               submitted_at=max(0.0, (ts_ms - first_ms) / 1e3 * time_scale)))
     return out
