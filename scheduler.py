@@ -72,27 +72,9 @@ def _flag(name: str, v: Any, default: bool) -> bool:
 
 class Scheduler:
     """Iteration-level scheduler: chunked prefill, a KV block cap, preemption by recompute, a
-    per-user fair share; thread-safe (``docs/reliability.md``). Keyword-only, optional arguments
-    (``ValueError`` naming a bad one); what each mechanism buys: ``docs/design.md``.
-
-    Args:
-        kv_cap_blocks, block_tokens, eos_token_id: the stub's 256, 16 and 0 by default (a
-            negative EOS id never matches). prefill_chunk_tokens: 64. max_running: 256.
-        token_budget_tokens: most tokens per iteration (default: the cache's capacity).
-        vocab_size: prompt ids must be below it (default: the backend's ``vocab_size``, else none).
-        clock: seconds (``wall_clock``). backend: ``forward(batch) -> tokens`` (the module's
-            ``forward``), or an object with ``execute_model(items)`` (``batch.core.backend_api``).
-        policy: a ``Policy`` (``VTCPolicy()``). isolation, admission_headroom, resume_first:
-            override the policy's mechanisms. prefix_caching: share full prompt blocks (off). max_preemptions: before a request is pinned (4;
-            ``None``: never). aging_ticks: 32. max_sit_out_ticks: K, 8.
-        max_backend_tries: ``None``: a failed tick raises ``BackendError`` and changes nothing;
-            ``N``: the N-th consecutive failure fails its batch (reason ``"error"``).
-        record_itl: keep inter-token gaps for the ITL percentiles.
-        check_invariants: run the spec's checks around every tick (``spec.invariants``).
-        on_tokens: called after a tick that produced tokens with ``[(request, token_id)]`` in batch
-            order, on the ticking thread, without the state lock (it may ``submit``, ``abort``, read
-            ``metrics``; not ``tick``); what it raises propagates from ``tick()``.
-    """
+    per-user fair share; thread-safe (``docs/reliability.md``). Its keyword-only arguments and
+    their defaults are tabled in ``docs/design.md`` ("Scheduler arguments"); a bad one is a
+    ``ValueError`` naming it."""
 
     def __init__(self, *, kv_cap_blocks: int | None = None, block_tokens: int | None = None,
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, token_budget_tokens: int | None = None,
@@ -159,8 +141,6 @@ class Scheduler:
     running = property(lambda self: self.state.running, doc="Resident requests, admission order.")
     pool = property(lambda self: self.state.pool, doc="The KV block pool.")
     stats = property(lambda self: self.state.stats, doc="The metrics recorder.")
-
-    # ------------------------------------------------------------ the contract
 
     def submit(self, request: Request) -> None:
         """Accept a request at once: stamps ``submitted_at``, starts it afresh (``generated`` emptied,

@@ -37,15 +37,8 @@ def _spread(name: str, xs: Any, ordered: list[float]) -> dict[str, float]:
 
 
 class MetricsRecorder:
-    """Accumulates per-tick and per-request figures; ``summary()`` turns them into a dict.
-
-    Args:
-        record_itl: keep every inter-token gap for ITL percentiles (8 bytes a token). Turn
-            off for million-request runs; ITL keys are then 0.0.
-
-    Nothing is kept per user (memory stays bounded however many users come and go): per-user
-    figures are computed from the finished requests by whoever needs them (``batch.sim.simulate``).
-    """
+    """Per-tick and per-request figures; ``summary()`` turns them into a dict. ``record_itl``: keep
+    every inter-token gap (8 bytes a token; off: ITL keys read 0.0). Nothing is kept per user."""
 
     def __init__(self, *, record_itl: bool = True) -> None:
         self.record_itl = record_itl

@@ -11,15 +11,9 @@ if TYPE_CHECKING:
 
 
 class Policy:
-    """First come, first served (vLLM V1's FCFS): the oldest waiting request first, a preempted
-    request back at the head, the most recently admitted request as the victim.
-
-    The class attributes are the scheduler mechanisms a policy asks for (``scheduler.Scheduler``
-    may override them): ``isolation`` (TTFT isolation of light users), ``headroom`` (admissions
-    leave room for the next iteration's growth), ``resume_first`` (preempted decodes are tried
-    before the order). Source: vLLM V1 ``Scheduler.schedule`` (``self.running.pop()`` as victim,
-    ``waiting.prepend_request`` for the preempted).
-    """
+    """FCFS as vLLM V1's ``Scheduler.schedule``: the oldest waiting request first, a preempted one
+    back at the head (``prepend_request``), the newest admission as victim (``running.pop()``).
+    The class attributes are the mechanisms a policy asks of the scheduler (``docs/design.md``)."""
 
     name = "fcfs"
     isolation = False
