@@ -15,6 +15,10 @@ recorded length. The KV cache is 256 blocks of 16 tokens on both sides.
   written to a temporary directory (no weights, no hub, no tokenizer). The fake model runner
   returns one token per request whose prefill is complete after this step, none for a
   request in the middle of a (re)prefill, as vLLM's model runner does.
+* vLLM+Batch: the same vLLM set-up with ``batch.integrations.vllm.FairScheduler`` (vLLM's
+  ``Scheduler`` subclassed: Batch's ``VTCPolicy()`` orders admission, charges users, picks
+  victims, isolates light users' first prefills; ``docs/vllm-plugin.md``), with ``--fair-vllm``
+  (``make bench-vllm`` passes it).
 
 Metrics come from per-request timestamps this harness records, with one definition for both
 (nothing is read from either scheduler's own statistics but the preemption count):
@@ -36,7 +40,7 @@ iteration already running when the request arrives).
 
 Usage, from the repository root::
 
-    make bench-vllm                                         # installs .venv-vllm once, then runs this
+    make bench-vllm                                         # installs .venv-vllm once, then runs this with --fair-vllm
     .venv-vllm/bin/python bench/vllm_compare.py [--traces DIR] [--only NAME,...]
     python bench/vllm_compare.py --batch-only               # no vllm needed: Batch's side only
 
@@ -345,28 +349,40 @@ def _vllm_config(threshold: int):
     return cfg
 
 
-def make_vllm_scheduler(threshold: int = CHUNK_TOKENS):
-    """vLLM's V1 ``Scheduler`` with 256 blocks of 16 tokens (one full-attention group)."""
+def make_vllm_scheduler(threshold: int = CHUNK_TOKENS, cls=None, **kwargs):
+    """vLLM's V1 ``Scheduler`` (or its subclass ``cls``, given ``kwargs`` besides vLLM's) with 256
+    blocks of 16 tokens (one full-attention group)."""
     v = _vllm()
+    cls = cls or v.VScheduler
     cfg = _vllm_config(threshold)
     cfg.cache_config.num_gpu_blocks = KV_BLOCKS
     kv = v.KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
         v.KVCacheGroupSpec(["layer.0"], v.FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=32,
                                                             dtype=v.torch.float32))])
-    return v.VScheduler(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=v.StructuredOutputManager(cfg),
-                        block_size=BLOCK_TOKENS, log_stats=False)
+    return cls(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=v.StructuredOutputManager(cfg),
+               block_size=BLOCK_TOKENS, log_stats=False, **kwargs)
+
+
+def make_fair_scheduler(threshold: int = CHUNK_TOKENS, policy=None):
+    """vLLM's V1 ``Scheduler`` with Batch's fairness: ``batch.integrations.vllm.FairScheduler``
+    (``policy``: its ``fair_policy``, default ``VTCPolicy()``), set up as ``make_vllm_scheduler``."""
+    from batch.integrations.vllm import FairScheduler  # noqa: PLC0415
+    from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+    return make_vllm_scheduler(threshold, FairScheduler, fair_policy=policy if policy is not None else VTCPolicy())
 
 
 def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: int = CHUNK_TOKENS,
-             name: str = "vLLM") -> Run:
-    """Replay ``reqs`` through vLLM's V1 scheduler on the simulated clock (same loop as Batch's).
+             name: str = "vLLM", make: Callable[[int], object] | None = None) -> Run:
+    """Replay ``reqs`` through vLLM's V1 scheduler on the simulated clock (same loop as Batch's);
+    ``make(threshold)`` builds the scheduler (default ``make_vllm_scheduler``). Each request's
+    user travels in ``sampling_params.extra_args["user"]`` (vLLM's own scheduler ignores it).
 
     Raises:
         VLLMUnavailable: vllm cannot be imported.
         RuntimeError: a request did not finish with exactly its output length.
     """
     v = _vllm()
-    sched = make_vllm_scheduler(threshold)
+    sched = (make or make_vllm_scheduler)(threshold)
     pending = sorted(reqs, key=lambda r: 0.0 if at_once else r.arrival_s)
     nominal = {r.rid: 0.0 if at_once else r.arrival_s for r in reqs}
     out_len = {r.rid: r.output_tokens for r in reqs}
@@ -381,7 +397,7 @@ def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: 
     while i < len(pending) or sched.has_unfinished_requests():
         while i < len(pending) and nominal[pending[i].rid] <= now:
             r = pending[i]
-            sp = v.SamplingParams(max_tokens=r.output_tokens, ignore_eos=False)
+            sp = v.SamplingParams(max_tokens=r.output_tokens, ignore_eos=False, extra_args={"user": r.user})
             sp.update_from_generation_config({}, eos_token_id=VLLM_EOS)
             vr = v.VRequest(request_id=r.rid, prompt_token_ids=[1] * r.prompt_tokens, sampling_params=sp,
                             pooling_params=None, arrival_time=nominal[r.rid])
@@ -535,6 +551,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tolerance", type=int, action="append", default=[], metavar="TOKENS",
                    help="also Batch with VTCPolicy(tolerance_tokens=TOKENS) (repeatable)")
     p.add_argument("--no-sweep", action="store_true", help="skip the steady-state CPU-per-step sweep")
+    p.add_argument("--fair-vllm", action="store_true",
+                   help="also vLLM+Batch: vLLM's Scheduler subclassed by batch.integrations.vllm.FairScheduler "
+                        "(make bench-vllm passes it)")
     p.add_argument("--vllm-threshold", type=int, default=CHUNK_TOKENS,
                    help="vLLM's long_prefill_token_threshold (default 64, Batch's chunk; 0: vLLM's default, none)")
     a = p.parse_args(argv)
@@ -572,6 +591,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         def run_v(reqs, **kw):
             return run_vllm(reqs, threshold=a.vllm_threshold, name=vname, **kw)
         runners.append((vname, run_v))
+        if a.fair_vllm:
+            fname = f"vLLM+Batch (thr {a.vllm_threshold})"
+
+            def run_f(reqs, **kw):
+                return run_vllm(reqs, threshold=a.vllm_threshold, name=fname, make=make_fair_scheduler, **kw)
+            runners.append((fname, run_f))
 
     print(f"Simulated clock: {BASE_S * 1e3:g} ms + {PER_REQUEST_S * 1e3:g} ms per scheduled request per step; "
           f"KV {KV_BLOCKS} blocks x {BLOCK_TOKENS} tokens; EOS at each request's recorded output length; "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from batch.policies.policy import Policy
 from spec import fairness_rules as fr
+from spec.concrete import fast
 
 if TYPE_CHECKING:
     from batch.core.state import Seq
@@ -142,10 +143,11 @@ class VTCPolicy(Policy):
         for s in candidates:
             blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
         total, total_w = sum(blocks.values()), sum(self.weight(u) for u in blocks)
-        light = {u for u, b in blocks.items() if fr.within_share(b, self.weight(u), total, total_w, 1, 4)}
+        within, before = fast(fr.within_share), fast(fr.victim_before)  # plain-int forms (16x faster)
+        light = {u for u, b in blocks.items() if within(b, self.weight(u), total, total_w, 1, 4)}
         best = candidates[0]
         for s in candidates[1:]:
-            if fr.victim_before(s.user_id in light, s.num_preemptions, s.num_computed_tokens, s.admit_no,
+            if before(s.user_id in light, s.num_preemptions, s.num_computed_tokens, s.admit_no,
                                 best.user_id in light, best.num_preemptions, best.num_computed_tokens, best.admit_no):
                 best = s
         return best

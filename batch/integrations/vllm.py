@@ -1,0 +1,567 @@
+"""Batch's VTC fairness inside vLLM V1 (0.33): a scheduler class for ``vllm serve --scheduler-cls``.
+
+    vllm serve MODEL --scheduler-cls batch.integrations.vllm.FairScheduler \\
+        --middleware batch.integrations.vllm.UserMiddleware
+
+What ``FairScheduler`` changes in vLLM's ``Scheduler`` (``docs/vllm-plugin.md``), through a Batch
+``Policy`` (``VTCPolicy`` unless given: ``spec.fairness_rules``' charges, lift, weights, tolerance):
+
+* the waiting queue is a ``PolicyQueue``: admission tries requests in ``Policy.order()``;
+* ``update_from_output`` charges each user, once per step, the prompt tokens computed for the
+  first time (``new_prompt_tokens``) and the output tokens sampled;
+* a running request that cannot get blocks preempts ``Policy.victim`` (through vLLM's priority
+  preemption path, the one that lets a caller choose); with one user among the running
+  requests vLLM's own victim, the latest admitted;
+* with ``policy.isolation``: while a light user's request prefills toward its first token, other
+  running requests sit out and only light users are admitted (``batch.core.step``'s isolation,
+  at most ``MAX_SIT_OUT_TICKS`` steps in a row).
+
+Budgets, chunking, KV allocation, prefix caching and outputs stay vLLM's. The user is
+``sampling_params.extra_args["user"]`` (``vllm_xargs`` over HTTP; ``UserMiddleware`` fills it from
+the API key or the body's ``user``); requests without one share ``DEFAULT_USER``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from itertools import compress, count
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from batch.policies.policy import Policy
+from batch.policies.vtc import VTCPolicy
+from scheduler import MAX_SIT_OUT_TICKS  # Batch's K: most consecutive isolated steps
+from spec import fairness_rules as fr
+from spec.concrete import fast
+
+__all__ = ["FairScheduler", "PolicyQueue", "UserMiddleware", "user_of", "policy_from_env", "with_user",
+           "USER_KEY", "DEFAULT_USER", "CONFIG_ENV", "TOLERANCE_ENV"]
+
+#: The ``sampling_params.extra_args`` key (``vllm_xargs`` in an OpenAI request body) naming the user.
+USER_KEY = "user"
+#: The identity every request without a user shares.
+DEFAULT_USER = "anonymous"
+#: A users file in ``batch serve``'s format (``weights``, ``api_keys``; JSON, or TOML by suffix).
+CONFIG_ENV = "BATCH_USERS_CONFIG"
+#: ``VTCPolicy``'s tolerance band, weighted tokens (default ``fairness_rules.TOLERANCE_TOKENS``).
+TOLERANCE_ENV = "BATCH_TOLERANCE_TOKENS"
+#: Set to 1 to let ``UserMiddleware`` take the body's ``user`` field when no keys are configured
+#: (as ``batch serve --trust-user-field``: only behind a gateway that sets it).
+TRUST_USER_FIELD_ENV = "BATCH_TRUST_USER_FIELD"
+_new_prompt, _high_water = fast(fr.new_prompt_tokens), fast(fr.prompt_high_water)
+
+
+def user_of(request: Request) -> str:
+    """The fairness identity of a vLLM request: ``extra_args["user"]`` if a non-empty string,
+    else ``DEFAULT_USER``."""
+    sp = request.sampling_params
+    args = sp.extra_args if sp is not None else None
+    user = args.get(USER_KEY) if args else None
+    return user if isinstance(user, str) and user else DEFAULT_USER
+
+
+def _users_config(path: str | None):
+    if not path:
+        return None
+    from batch.server.serve import load_config  # noqa: PLC0415 (only when a file is named)
+    return load_config(path)
+
+
+def policy_from_env(env: dict[str, str] | None = None) -> VTCPolicy:
+    """``VTCPolicy`` with the weights of ``$BATCH_USERS_CONFIG`` and the tolerance of
+    ``$BATCH_TOLERANCE_TOKENS``; the other knobs at Batch's defaults.
+
+    Raises:
+        ValueError: a bad file, weight or tolerance (the message names it).
+    """
+    env = os.environ if env is None else env
+    cfg = _users_config(env.get(CONFIG_ENV))
+    tol = env.get(TOLERANCE_ENV)
+    try:
+        tolerance = fr.TOLERANCE_TOKENS if tol in (None, "") else int(tol)
+    except ValueError:
+        raise ValueError(f"{TOLERANCE_ENV} must be an int >= 0, got {tol!r}") from None
+    return VTCPolicy(weights=cfg.weights if cfg else None, tolerance_tokens=tolerance)
+
+
+class _Entry:
+    """Batch's record of one vLLM request: the fields a ``Policy`` reads (``batch.core.state.Seq``'s
+    names), the counts read through to vLLM's ``Request``."""
+
+    __slots__ = ("vreq", "user_id", "arrival_no", "num_prompt_tokens", "prompt_charged_tokens", "admit_no",
+                 "block_table", "queued", "awaits_first")
+
+    def __init__(self, vreq: Request, user_id: str, arrival_no: int) -> None:
+        self.vreq, self.user_id, self.arrival_no = vreq, user_id, arrival_no
+        self.num_prompt_tokens = vreq.num_prompt_tokens
+        self.prompt_charged_tokens = 0  # most prompt tokens ever computed: charged once
+        self.admit_no = -1
+        self.block_table: Sequence[int] = ()  # set just before ``Policy.victim`` reads its len()
+        self.queued = False  # in the policy's waiting queue
+        self.awaits_first = True  # no output token sampled yet (counted in _first_pending)
+
+    @property
+    def req(self) -> _Entry:  # ``Policy.requeue`` reads ``seq.req.generated``
+        return self
+
+    @property
+    def generated(self) -> list[int]:
+        return self.vreq.output_token_ids
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.vreq.num_preemptions
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.vreq.num_computed_tokens
+
+
+class PolicyQueue(RequestQueue):
+    """vLLM's waiting queue in a ``Policy``'s order.
+
+    A scheduling scan (``peek_request`` / ``pop_request`` until the scheduler stops) walks one
+    lazy ``Policy.order()``, so the policy's local charge of each pick's prompt holds between
+    picks; popped requests leave the policy when the scan ends (``settle``: any other change,
+    or the end of ``FairScheduler.schedule``). ``only_users``: while set, requests of other users are passed
+    over (isolation). A preempted request (``prepend_request``) goes back by arrival
+    (``Policy.requeue``), not to the head.
+    """
+
+    def __init__(self, policy: Policy, entries: dict[str, _Entry]) -> None:
+        self.policy = policy
+        self._entries = entries  # request_id -> entry, shared with the scheduler
+        self._order: Iterator[_Entry] | None = None
+        self._head: _Entry | None = None
+        self._taken: list[_Entry] = []  # popped in this scan, still in the policy
+        self._admits = count()
+        self.only_users: set[str] | None = None
+
+    def settle(self) -> None:
+        """End the current scan: popped requests leave the policy; the next peek starts afresh."""
+        self._order = self._head = None
+        for e in self._taken:
+            self.policy.remove(e)
+        self._taken.clear()
+
+    def add_request(self, request: Request) -> None:
+        self.settle()
+        e = self._entries[request.request_id]
+        e.queued = True
+        self.policy.add(e)
+
+    def prepend_request(self, request: Request) -> None:
+        self.prepend_requests((request,))
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self.settle()
+        for r in requests:
+            e = self._entries[r.request_id]
+            e.queued = True
+            self.policy.requeue(e)
+
+    def peek_request(self) -> Request:
+        """The next request of the scan. Raises ``IndexError`` when none is left."""
+        if self._head is None:
+            if self._order is None:
+                self._order = self.policy.order()
+            only = self.only_users
+            for e in self._order:
+                if only is None or e.user_id in only:
+                    self._head = e
+                    break
+            else:
+                raise IndexError("peek from an empty queue")
+        return self._head.vreq
+
+    def pop_request(self) -> Request:
+        self.peek_request()
+        e, self._head = self._head, None
+        self._taken.append(e)
+        e.queued = False
+        e.admit_no = next(self._admits)
+        return e.vreq
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        self.settle()
+        for r in requests:
+            e = self._entries.get(r.request_id)
+            if e is not None and e.queued:
+                self.policy.remove(e)
+                e.queued = False
+
+    def __bool__(self) -> bool:
+        try:
+            self.peek_request()
+        except IndexError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self.policy) - len(self._taken)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The waiting requests in the policy's order (ends any scan)."""
+        self.settle()
+        return iter([e.vreq for e in self.policy.order()])
+
+
+class FairScheduler(Scheduler):
+    """vLLM V1's ``Scheduler`` with a Batch ``Policy`` choosing admission order and victims and
+    charging users (module docstring).
+
+    Args:
+        *args, **kwargs: vLLM's ``Scheduler`` arguments.
+        fair_policy: the policy (default ``policy_from_env()``: ``VTCPolicy``). Its ``isolation``
+            flag turns TTFT isolation on.
+
+    Invariant: every live request has one entry; ``_live[u]`` counts user u's live requests
+    (waiting or running; no zero entries) and ``Policy.on_idle(u)`` runs when it reaches 0,
+    after that step's charges. Departs from vLLM: the request's own ``priority`` is ignored.
+    """
+
+    def __init__(self, *args: Any, fair_policy: Policy | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fair_policy = fair_policy if fair_policy is not None else policy_from_env()
+        self._entries: dict[str, _Entry] = {}
+        self._arrivals = count()
+        self._live: dict[str, int] = {}
+        self._user: dict[str, str] = {}  # request_id -> user, live requests
+        self._first_pending: dict[str, int] = {}  # live requests per user without an output token
+        self._prefilling: set[_Entry] = set()  # admitted, no output token yet
+        self._marked: Request | None = None  # the victim marked for vLLM's priority path
+        self._streak = 0  # consecutive isolated steps
+        self.num_isolated_steps = 0
+        # vLLM's priority path preempts max(running, key=(priority, arrival_time)): the only
+        # preemption path that lets a caller choose. Its waiting queue is replaced; block holders
+        # keep vLLM's FCFS queue.
+        self.policy = SchedulingPolicy.PRIORITY
+        self.waiting = PolicyQueue(self.fair_policy, self._entries)
+        self.kv_holding_waiting = create_request_queue(SchedulingPolicy.FCFS)
+        kvm = self.kv_cache_manager
+        allocate = kvm.allocate_slots
+        running = RequestStatus.RUNNING
+
+        def allocate_slots(request: Request, *a: Any, **kw: Any):
+            blocks = allocate(request, *a, **kw)
+            if blocks is None and request.status == running:
+                self._mark_victim()  # vLLM preempts next: choose its victim
+            return blocks
+
+        kvm.allocate_slots = allocate_slots
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid not in self._entries and rid not in self.requests:
+            user = user_of(request)
+            request.priority = 0  # the victim mark is the only priority
+            self._entries[rid] = _Entry(request, user, next(self._arrivals))
+            self._user[rid] = user
+            self._live[user] = self._live.get(user, 0) + 1
+            self._first_pending[user] = self._first_pending.get(user, 0) + 1
+        super().add_request(request)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        out = super()._free_request(request, delay_free_blocks)
+        e = self._entries.pop(request.request_id, None)
+        if e is not None:
+            del self._user[request.request_id]
+            u = e.user_id
+            self._prefilling.discard(e)
+            if e.awaits_first:
+                self._drop_first_pending(e)
+            n = self._live[u] - 1
+            if n:
+                self._live[u] = n
+            else:
+                del self._live[u]
+                self.fair_policy.on_idle(u)
+        return out
+
+    def _drop_first_pending(self, e: _Entry) -> None:
+        e.awaits_first = False
+        user = e.user_id
+        n = self._first_pending[user] - 1
+        if n:
+            self._first_pending[user] = n
+        else:
+            del self._first_pending[user]
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        """vLLM's ``schedule`` after ending the last scan, isolated when a light user's request
+        prefills toward its first token (``policy.isolation``, at most K steps in a row)."""
+        queue = self.waiting
+        queue.settle()
+        light = self._light_pending() if self.fair_policy.isolation and \
+            fr.sit_out_allowed(self._streak, MAX_SIT_OUT_TICKS) else None
+        if not light:
+            self._streak = 0
+            out = super().schedule(*args, **kwargs)
+        else:
+            out = self._schedule_isolated(light, args, kwargs)
+        queue.settle()  # the scan is over: admitted requests leave the policy now
+        entries = self._entries
+        for new in out.scheduled_new_reqs:  # first admissions; an entry stays until its first token
+            e = entries.get(new.req_id)
+            if e is not None and not e.vreq.output_token_ids:
+                self._prefilling.add(e)
+        return out
+
+    def _light_pending(self) -> set[str]:
+        """Light users with a request yet to produce its first token; empty with one user. Light:
+        live requests (demand) ``within_share`` at 1/2 of the requests resident after this
+        step's admissions (Batch's rule), estimated as the running ones plus the waiting ones
+        that the token budget, the free blocks and the free slots could admit in 64-token chunks."""
+        live = self._live
+        if len(live) < 2:
+            return set()
+        bs, n_run = self.block_size, len(self.running)
+        chunk = self.scheduler_config.long_prefill_token_threshold or self.max_num_scheduled_tokens
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        room = min(len(self.waiting), self.max_num_scheduled_tokens // chunk, free // -(-chunk // bs),
+                   self.max_num_active_reqs - n_run)
+        total, weight = n_run + max(room, 0), self.fair_policy.weight
+        total_w = sum(weight(u) for u in live)
+        return {u for u in self._first_pending if fr.within_share(live[u], weight(u), total, total_w, 1, 2)}
+
+    def _schedule_isolated(self, light: set[str], args: tuple, kwargs: dict):
+        """One step in which only light users' requests without an output token run or are
+        admitted; the others sit out in ``running`` (keeping their blocks and their model-runner
+        slots: ``max_num_active_reqs`` is lowered by their number). A normal step instead unless
+        ``_light_fits``."""
+        entries = self._entries
+
+        def light_prefills() -> list[Request]:
+            return [r for r in self.running if not r.output_token_ids and entries[r.request_id].user_id in light]
+        if not self._light_fits(light_prefills(), light):  # may preempt to make room
+            self._streak = 0
+            return super().schedule(*args, **kwargs)
+        saved, kept = self.running, light_prefills()
+        hidden = len(saved) - len(kept)
+        kept_set, old = set(kept), set(saved)  # before vLLM edits ``kept`` in place
+        self.running = kept
+        self.waiting.only_users = light
+        self.max_num_active_reqs -= hidden
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_active_reqs += hidden
+            self.waiting.only_users = None
+            now = self.running
+            alive = set(now)
+            self.running = [r for r in saved if r in alive or r not in kept_set]
+            self.running.extend(r for r in now if r not in old)
+        self._streak = fr.next_streak(self._streak, hidden > 0 or len(self.waiting) > 0)
+        self.num_isolated_steps += self._streak > 0
+        return out
+
+    def _light_fits(self, kept: list[Request], light: set[str]) -> bool:
+        """The next chunks of ``kept`` fit the free blocks, and with none kept, the first light
+        request in the policy's order fits: an isolated step then cannot preempt (its victims
+        could only be light requests) nor be empty."""
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        chunk = self.scheduler_config.long_prefill_token_threshold or self.max_num_scheduled_tokens
+        bs, held = self.block_size, self.kv_cache_manager.get_block_ids
+        for r in kept:
+            nc = r.num_computed_tokens
+            free -= -(-(nc + min(r.num_tokens - nc, chunk)) // bs) - len(held(r.request_id)[0])
+        if free < 0:
+            return False
+        if kept:
+            return True
+        if len(self.running) + self.num_waiting_for_streaming_input >= self.max_num_active_reqs:
+            return False  # no slot to admit into
+        queue = self.waiting  # vLLM stops at the first request that does not fit: the head
+        queue.only_users = light
+        try:
+            head = queue.peek_request()
+        except IndexError:
+            return False
+        finally:
+            queue.only_users = None
+            queue.settle()
+        n = head.num_tokens  # vLLM admits only if the whole prompt fits (scheduler_reserve_full_isl)
+        need = -(-(n if self.scheduler_reserve_full_isl else min(n, chunk)) // bs)
+        return need <= free or self._make_room(head, need - free)
+
+    def _make_room(self, head: Request, short_blocks: int) -> bool:
+        """Preempt running requests of users over their weighted fair share of the running
+        requests (with ``head``'s user among them), in the policy's victim order, until
+        ``short_blocks`` more blocks are free; nothing is preempted if that cannot free enough.
+
+        Source: ``batch.core.step._room`` (room for a light user's request by preemption)."""
+        entries, weight = self._entries, self.fair_policy.weight
+        held = self.kv_cache_manager.get_block_ids
+        users = [entries[r.request_id].user_id for r in self.running]
+        per_user = Counter(users)
+        per_user[entries[head.request_id].user_id] += 1
+        total, total_w = len(users) + 1, sum(weight(u) for u in per_user)
+        over = {u for u, c in per_user.items() if not fr.within_share(c, weight(u), total, total_w, 1, 1)}
+        cands = [entries[r.request_id] for r, u in zip(self.running, users)
+                 if u in over and self._request_blocks_can_be_freed(r)]
+        for e in cands:
+            e.block_table = held(e.vreq.request_id)[0]
+        victims = []
+        while cands and short_blocks > 0:
+            v = self.fair_policy.victim(cands)
+            cands.remove(v)
+            victims.append(v.vreq)
+            short_blocks -= len(v.block_table)
+        if short_blocks > 0:
+            return False
+        gone = set(victims)
+        self.running = [r for r in self.running if r not in gone]
+        now = time.monotonic()
+        for r in victims:
+            self._preempt_request(r, now, drop_stale_output=self.requires_kv_delivery)
+        return True
+
+    def _mark_victim(self) -> None:
+        """Mark the policy's victim among ``running`` (priority 1, all others 0) for vLLM's
+        priority preemption path; with one user, vLLM's FCFS victim ``running[-1]``."""
+        if self._marked is not None:
+            self._marked.priority = 0
+            self._marked = None
+        running = self.running
+        if not running:
+            return
+        entries = self._entries
+        cands = [entries[r.request_id] for r in running]
+        if len({e.user_id for e in cands}) == 1:
+            victim = running[-1]
+        else:
+            bs = self.block_size
+            for e in cands:  # only len() is read: the blocks its computed tokens fill
+                e.block_table = range(-(-e.vreq.num_computed_tokens // bs))
+            victim = self.fair_policy.victim(cands).vreq
+        victim.priority = 1
+        self._marked = victim
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        """Charge the step's service (``charge``), then vLLM's ``update_from_output``."""
+        self.charge(scheduler_output, model_runner_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def charge(self, scheduler_output, model_runner_output) -> dict[str, list[int]]:
+        """Charge each user, once, ``[prompt tokens computed for the first time, output tokens
+        sampled]`` in this step; returns those figures by user.
+
+        Source: ``batch.core.step.apply`` (the same rules, ``new_prompt_tokens`` /
+        ``prompt_high_water``); counts read from vLLM's ``num_scheduled_tokens`` and
+        ``sampled_token_ids``.
+        """
+        charges: dict[str, list[int]] = {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        req_ids, sampled = model_runner_output.req_ids, model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        first: list[_Entry] = []
+        for e in self._prefilling:  # prompt charges: only requests without an output token yet
+            rid = e.vreq.request_id
+            k = scheduled.get(rid)
+            if k:
+                P, hw = e.num_prompt_tokens, e.prompt_charged_tokens
+                nc = e.vreq.num_computed_tokens - k  # vLLM advanced it in schedule()
+                part = _new_prompt(nc, k, P, hw)
+                if part:
+                    charges.setdefault(e.user_id, [0, 0])[0] += part
+                e.prompt_charged_tokens = _high_water(hw, nc, k, P)
+            i = index.get(rid)
+            if i is not None and sampled[i]:
+                first.append(e)
+        for e in first:
+            self._prefilling.discard(e)
+            if e.awaits_first:
+                self._drop_first_pending(e)
+        users = self._user
+        if max(map(len, sampled), default=0) <= 1:  # one token a request: count in C
+            got = Counter(compress(map(users.get, req_ids), sampled))
+        else:  # speculative decoding: several tokens a request
+            got = Counter()
+            for rid, toks in zip(req_ids, sampled):
+                if toks:
+                    got[users.get(rid)] += len(toks)
+        got.pop(None, None)  # freed since it was scheduled
+        for user, n in got.items():
+            charges.setdefault(user, [0, 0])[1] += n
+        for user, (p, o) in charges.items():
+            self.fair_policy.charge(user, p, o)
+        return charges
+
+
+# ---------------------------------------------------------------------- who the user is
+
+def with_user(body: bytes, api_key: str | None, api_keys: dict[str, str], trust_user_field: bool = False) -> bytes:
+    """An OpenAI request body with ``vllm_xargs["user"]`` set: the user of ``api_key`` when
+    ``api_keys`` is not empty (an unknown or missing key: ``DEFAULT_USER``, whatever the body
+    says), else with ``trust_user_field`` the body's ``user`` field, else ``DEFAULT_USER`` (a
+    client never picks its identity). A body that is not a JSON object comes back unchanged."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body
+    if not isinstance(data, dict):
+        return body
+    if api_keys:
+        user = api_keys.get(api_key or "", DEFAULT_USER)
+    elif trust_user_field and isinstance(data.get("user"), str) and data.get("user"):
+        user = data["user"]
+    else:
+        user = DEFAULT_USER
+    xargs = data.get("vllm_xargs") if isinstance(data.get("vllm_xargs"), dict) else {}
+    data["vllm_xargs"] = {**xargs, USER_KEY: user}
+    return json.dumps(data).encode()
+
+
+class UserMiddleware:
+    """ASGI middleware for ``vllm serve --middleware``: every POST under ``/v1/`` carries its user
+    in ``vllm_xargs`` (``with_user``), API keys from ``$BATCH_USERS_CONFIG``'s ``api_keys``
+    (``Authorization: Bearer KEY``); the body's ``user`` only with ``$BATCH_TRUST_USER_FIELD=1``."""
+
+    def __init__(self, app: Callable, api_keys: dict[str, str] | None = None,
+                 trust_user_field: bool | None = None) -> None:
+        self.app = app
+        if api_keys is None:
+            cfg = _users_config(os.environ.get(CONFIG_ENV))
+            api_keys = cfg.api_keys if cfg else {}
+        self.api_keys = api_keys
+        self.trust_user_field = os.environ.get(TRUST_USER_FIELD_ENV) == "1" if trust_user_field is None \
+            else trust_user_field
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        parts, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client left: let the app see it
+                await self.app(scope, _replay([msg], receive), send)
+                return
+            parts.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        headers = dict((k.lower(), v) for k, v in scope.get("headers", []))
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        body = with_user(b"".join(parts), key, self.api_keys, self.trust_user_field)
+        hs = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        hs.append((b"content-length", str(len(body)).encode()))
+        await self.app({**scope, "headers": hs}, _replay([{"type": "http.request", "body": body,
+                                                            "more_body": False}], receive), send)
+
+
+def _replay(msgs: list[dict], receive: Callable) -> Callable:
+    async def replayed() -> dict:
+        return msgs.pop(0) if msgs else await receive()
+    return replayed
