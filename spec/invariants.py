@@ -327,6 +327,15 @@ def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None
         if not state_agrees(STATE_CODE[s.state], w, r, g, s.num_preemptions):
             fail("state_agrees", f"{s.request_id}: state {s.state} but {w}x waiting, {r}x running, g={g}")
         _check_request(fail, s, eos, B, cfg.max_model_len_tokens)
+    if st.reserved is not None and (id(st.reserved) not in in_waiting or st.reserved.state not in lc.WAITING_STATES):
+        fail("reservation_waiting", f"the reservation is held by {st.reserved.request_id} in state "
+                                    f"{st.reserved.state}, not a waiting request")
+    p = sched.policy
+    if hasattr(p, "_counter"):  # VTC: a user with a live request is never forgotten (its counter is kept)
+        live_users = {s.user_id for s in records if s.state not in lc.FINAL_STATES}
+        lost = sorted(u for u in live_users if u not in p._counter)  # noqa: SLF001
+        if lost:
+            fail("active_users_counted", f"users {lost} have live requests but no VTC counter (forgotten)")
     for name, counts, rows in (("resident", st.resident_by_user, st.running), ("waiting", st.waiting_by_user, waiting)):
         if not user_counts_agree(counts, Counter(s.user_id for s in rows)):
             fail("user_counts_agree", f"{name} counts {dict(counts)}, the {name} requests' users "

@@ -172,7 +172,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.step_failed = False  # a step raised: teardown must not tick a broken scheduler
 
     @initialize(cap_blocks=st.one_of(st.integers(8, 16), st.just(48)), block_tokens=st.sampled_from([4, 16]),
-                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24]),
+                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24, 4]),
                 max_running=st.sampled_from([256, 3]),
                 policy=st.sampled_from(["fcfs", "default", "packed", "band", "rr"]),
                 short_bounds=st.booleans(), prefix_caching=st.booleans(), paged=st.booleans(),
@@ -214,6 +214,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             knobs["prefill_chunk_tokens"] = chunk_tokens
         self.pairs: list[tuple[Request, int]] = []  # what the on_tokens hook received in the last tick
         self.nonempty_ticks = 0
+        self.batched_tokens = 0  # tokens of the non-empty ticks' batches, summed from their plans
         self.sched = RecordingScheduler(kv_cap_blocks=cap_blocks, block_tokens=block_tokens,
                                         token_budget_tokens=budget_tokens or None, max_running=max_running,
                                         backend=self.backend, clock=StepClock(), check_invariants=True,
@@ -285,12 +286,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.backend.eos_at[rid] = eos_at
             older = sum(model.fcfs_service_ticks(len(r.prompt), r.max_tokens, self.chunk_eff)
                         for q, r in self.accepted.items() if q not in self.returned)
+            lift = self._expected_lift(user) if self.vtc else None
             try:
                 s.submit(req)
             except (InvalidRequestError, PromptTooLongError) as e:
                 raise AssertionError(f"{rid} ({prompt_tokens} prompt tokens) refused, the rules accept it: {e}") from e
             if self.first_submit_s is None:
                 self.first_submit_s = req.submitted_at
+            if lift is not None:
+                assert (s.policy.floor, s.policy.counter(user)) == lift, \
+                    f"{user} returned: floor and counter {(s.policy.floor, s.policy.counter(user))}, the lift gives {lift}"
             assert req.started_at is None and req.completed_at is None and req.generated == [], \
                 f"{rid} accepted with started_at {req.started_at}, completed_at {req.completed_at}, {req.generated}"
             self.accepted[rid] = req
@@ -415,13 +420,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         ending = [q for q, k in zip(plan.seqs, plan.num_new_tokens) if q.num_computed_tokens + k == q.num_tokens
                   and (len(q.req.generated) + 1 >= q.req.max_tokens
                        or self.backend.eos_at.get(q.req.request_id) == len(q.req.generated) + 1)]
-        seq = data.draw(st.sampled_from(ending or list(plan.seqs)), label="victim")
+        seq = data.draw(st.sampled_from(ending or [*plan.seqs, *plan.preempted]), label="victim")
         result: dict[str, object] = {}
         waiting = threading.Event()
 
         def abort_it() -> None:
             waiting.set()
-            result["got"] = self.sched.abort(seq.req)
+            try:
+                result["got"] = self.sched.abort(seq.req)
+            except Exception as e:  # noqa: BLE001 - reported by _settle_abort
+                result["error"] = e
         other = threading.Thread(target=abort_it, daemon=True)
 
         def start() -> None:  # inside forward: let the other thread reach abort() and wait there
@@ -437,6 +445,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.abort_in_tick = None
         other.join(10)
         assert not other.is_alive(), "abort() during forward did not return after the tick"
+        assert "error" not in result, f"abort() during forward raised {result.get('error')!r}"
         rid = self.key_of[id(seq.req)]
         if any(r is seq.req for r in finished):
             assert result["got"] is None, f"{rid} finished in the tick, yet abort() returned it"
@@ -463,6 +472,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.abort_in_tick is not None:
             self._settle_abort(finished)
         self.nonempty_ticks += self.backend.calls > calls
+        self.batched_tokens += sum(self.sched.last_plan.num_new_tokens) if self.backend.calls > calls else 0
         # the on_tokens hook got each token this tick appended, once, in batch order
         grew = [(rid, self.accepted[rid].generated[-1]) for rid, n in gen.items()
                 if len(self.accepted[rid].generated) > n]
@@ -634,8 +644,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         m = s.metrics()
         assert m["requests_finished"] == len(done) and m["output_tokens"] == sum(len(r.generated) for r in done)
         assert m["gpu_utilization"] == pytest.approx(self.nonempty_ticks / self.ticks if self.ticks else 0.0)
+        assert m["avg_batch_tokens"] == pytest.approx(self.batched_tokens / self.nonempty_ticks
+                                                      if self.nonempty_ticks else 0.0)
         if not done:
             return
+        queue = sorted(self.seq_of[q].admitted_s - r.submitted_at for q, r in self.accepted.items()
+                       if q in self.returned and self.seq_of[q].state == lc.DONE)
+        for key, q in (("queue_p50_s", 50), ("queue_p99_s", 99)):  # submit to first admission
+            assert m[key] == pytest.approx(percentile(queue, q)), key
         e2e = sorted(r.completed_at - r.submitted_at for r in done)
         ttft = sorted(r.started_at - r.submitted_at for r in done)
         span = max(r.completed_at for r in done) - self.first_submit_s
@@ -734,6 +750,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(g) == r.max_tokens or len(r.prompt) + len(g) >= self.sched.config.max_model_len_tokens
         assert g[:len(g) - (g[-1] == EOS)] == [token_at(r.request_id, k) for k in range(1, len(g) + 1 - (g[-1] == EOS))]
         assert r.submitted_at <= r.started_at <= r.completed_at
+
+    def _expected_lift(self, user: str) -> tuple[int, int] | None:
+        """VTC's lift for a submit of ``user`` (``docs/fairness.md``): when the user has nothing
+        waiting, the floor rises against the least counter of the other users with a waiting
+        request, else of the other users with a live request (``lift_floor``), and the user's
+        counter to the floor (``lifted_counter``); ``None`` when the user already waits."""
+        p, recs = self.sched.policy, list(self.sched.state.by_obj.values())
+        waiting = {q.user_id for q in recs if q.state in WAITING}
+        if user in waiting:
+            return None
+        others = [p.counter(u) for u in waiting if u != user] or \
+            [p.counter(u) for u in {q.user_id for q in recs} if u != user]
+        floor = fr.lift_floor(p.floor, min(others, default=0), bool(others), p.tolerance_tokens * fr.COUNTER_SCALE)
+        return floor, fr.lifted_counter(p.counter(user), floor)
 
     def _count_blocked(self) -> None:
         """Count, from each tick's plan (``plan.blocked``), the ticks a waiting request was the
