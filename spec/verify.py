@@ -69,8 +69,7 @@ class Options:
         timeout_s: per z3 query; ``unknown`` after it.
         budget_s: per check, all its queries together (``run_checks``): a query gets what is
             left of it when that is less than ``timeout_s``, and the check is ``unknown`` once it
-            is spent. The longest check, ``kv_cap_tick``, takes about 15 to 20 s with z3 4.15 and
-            5.4 on 2 cores; its longest query about 12 to 15 s (times per check: ``docs/spec.md``).
+            is spent. The longest check is ``kv_cap_tick`` (times per check: ``docs/spec.md``).
     """
 
     block_tokens: int = 16
