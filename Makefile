@@ -16,7 +16,7 @@ VLLM_PIP := $(VLLM_VENV)/bin/pip install -q
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 VLLM_TESTS := tests/test_vllm*.py
 
-.PHONY: run serve test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-vllm clean clean-vllm
+.PHONY: run serve test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-vllm figures clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -97,7 +97,14 @@ $(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
 	touch $@
 
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python bench/vllm_compare.py $(ARGS)
+	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm $(ARGS)
+	$(VLLM_VENV)/bin/python bench/vllm_prefix_compare.py
+
+# Every figure the README and docs/ quote, each step a fresh process (tools/figures.py; its first
+# line in each generated file names the step, command and commit). ARGS="--list", "--only ablation,load",
+# "--all" (the opt-in steps too: bench-big, Ray, the long real-time server runs).
+figures: $(BENCH_STAMP) $(TEST_STAMP) $(SCALEOUT_STAMP) $(VLLM_STAMP)
+	$(BIN)/python tools/figures.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)
