@@ -172,14 +172,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.step_failed = False  # a step raised: teardown must not tick a broken scheduler
 
     @initialize(cap_blocks=st.one_of(st.integers(8, 16), st.just(48)), block_tokens=st.sampled_from([4, 16]),
-                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24, 4]),
-                max_running=st.sampled_from([256, 3]),
-                policy=st.sampled_from(["fcfs", "default", "packed", "band", "rr"]),
-                short_bounds=st.booleans(), prefix_caching=st.booleans(), paged=st.booleans(),
-                backend_tries=st.sampled_from([None, 2]))
+                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24]),
+                max_running=st.sampled_from([256, 3]), policy=st.sampled_from(["fcfs", "default", "packed", "band"]),
+                short_bounds=st.booleans(), prefix_caching=st.booleans())
     def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int,
-              max_running: int, policy: str, short_bounds: bool, prefix_caching: bool, paged: bool,
-              backend_tries: int | None) -> None:
+              max_running: int, policy: str, short_bounds: bool, prefix_caching: bool, paged: bool = False,
+              backend_tries: int | None = None) -> None:
         """``chunk_tokens=0`` means the default chunk, which must be the spec's
         (``rules.PREFILL_CHUNK_TOKENS``, the problem's 64); ``budget_tokens=0`` the default budget
         (the cache's capacity in tokens).
@@ -377,69 +375,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(n):
             self.submit(user, prompt_tokens, max_tokens, 0, request_id=shared)
 
-    @precondition(lambda self: self.sched is not None)
-    @rule(user=st.sampled_from(USERS), less=st.integers(0, 2), max_tokens=st.integers(1, 4))
-    def submit_at_the_cache_limit(self, user: str, less: int, max_tokens: int) -> None:
-        """A prompt of ``cap * block_tokens - less`` tokens: accepted exactly when it fits with its
-        first output slot (``rules.prompt_fits``; ``submit`` checks which error)."""
-        c = self.sched.config
-        self.submit(user, c.kv_cap_blocks * c.block_tokens - less, max_tokens, 0)
-
-    @rule(user=st.sampled_from(USERS), token=st.sampled_from([VOCAB - 1, VOCAB, VOCAB + 7]), at=st.integers(0, 9))
-    def submit_token_at_the_vocabulary_edge(self, user: str, token: int, at: int) -> None:
-        """A prompt with one id at the edge of the backend's vocabulary: ids ``>= vocab_size`` are
-        an ``InvalidRequestError`` changing nothing, ``vocab_size - 1`` is accepted."""
-        if self.sched is not None:
-            prompt = [1 + i for i in range(10)]
-            prompt[at] = token
-            self.submit(user, len(prompt), 3, 0, prompt=prompt)
-
-    @precondition(lambda self: self.sched is not None and any(
-        self.seq_of[q].state == lc.ABORTED and len(r.generated) <= 1 and self.key_of[id(r)] == q
-        for q, r in self.accepted.items()))
-    @rule(data=st.data())
-    def resubmit_aborted(self, data: st.DataObject) -> None:
-        """The same ``Request`` object again after it was aborted (with at most one token, so its
-        old figures hold no inter-token gap): accepted afresh, ``generated`` emptied and its
-        timestamps cleared (``submit`` checks)."""
-        old = sorted((q for q, r in self.accepted.items() if self.seq_of[q].state == lc.ABORTED
-                      and len(r.generated) <= 1 and self.key_of[id(r)] == q), key=lambda q: int(q[1:]))
-        r = self.accepted[data.draw(st.sampled_from(old), label="rid")]
-        self.submit(r.user_id, len(r.prompt), r.max_tokens, 0, req=r)
-
-    @precondition(lambda self: self.sched is not None and self.sched.has_active())
-    @rule(data=st.data())
-    def abort_during_forward(self, data: st.DataObject) -> None:
-        """Another thread aborts a request of the batch while ``forward`` runs: its ``abort`` waits
-        for the tick to end, then returns the request if the tick did not finish it (it is then
-        aborted, its token of this tick kept) and ``None`` if it did (``tick()`` returned it).
-        Requests about to finish are drawn first."""
-        plan = self.sched.schedule()
-        if not plan.seqs:
-            return
-        ending = [q for q, k in zip(plan.seqs, plan.num_new_tokens) if q.num_computed_tokens + k == q.num_tokens
-                  and (len(q.req.generated) + 1 >= q.req.max_tokens
-                       or self.backend.eos_at.get(q.req.request_id) == len(q.req.generated) + 1)]
-        seq = data.draw(st.sampled_from(ending or [*plan.seqs, *plan.preempted]), label="victim")
-        result: dict[str, object] = {}
-        waiting = threading.Event()
-
-        def abort_it() -> None:
-            waiting.set()
-            try:
-                result["got"] = self.sched.abort(seq.req)
-            except Exception as e:  # noqa: BLE001 - reported by _settle_abort
-                result["error"] = e
-        other = threading.Thread(target=abort_it, daemon=True)
-
-        def start() -> None:  # inside forward: let the other thread reach abort() and wait there
-            other.start()
-            waiting.wait(5)
-            time.sleep(0.02)
-        self.backend.during = start
-        self.abort_in_tick = (seq, other, result)
-        self.tick()
-
     def _settle_abort(self, finished: list[Request]) -> None:
         seq, other, result = self.abort_in_tick
         self.abort_in_tick = None
@@ -493,8 +428,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.preemption_cap_and_aging_hold()
 
     @precondition(lambda self: self.sched is not None and self.sched.has_active())
-    @rule(mode=st.sampled_from(["raise", "extra", "missing"]))
-    def failing_tick(self, mode: str) -> None:
+    @rule()
+    def failing_tick(self, mode: str = "raise") -> None:
         """A tick whose backend raises or answers one token too many or too few: ``BackendError``,
         and nothing changed (blocks, records, tokens, the queue, counters), so the next tick
         redoes it; with ``max_backend_tries=N``, the N-th failure in a row instead returns the
@@ -796,6 +731,93 @@ def stateful_settings(steps: int = STEPS, examples: int = EXAMPLES, **kw) -> set
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], **kw)
 
 
+class EdgeCaseMachine(SchedulerMachine):
+    """The main machine's programs plus the edges, in a machine of their own so that the main
+    machine's programs (and so what its examples reach) stay as they were: prompts at the cache
+    limit and the vocabulary's edge, a returned request submitted again, aborts from another
+    thread while ``forward`` runs, backends answering a wrong count, ``max_backend_tries``, the
+    paged backend (``execute_model``), a 4-token budget and round robin among the policies."""
+
+    @initialize(cap_blocks=st.integers(8, 16), block_tokens=st.sampled_from([4, 16]),
+                chunk_tokens=st.sampled_from([8, 0]), budget_tokens=st.sampled_from([0, 24, 4]),
+                max_running=st.sampled_from([256, 3]), policy=st.sampled_from(["default", "packed", "fcfs", "rr"]),
+                prefix_caching=st.booleans(), paged=st.booleans(), backend_tries=st.sampled_from([None, 2]))
+    def setup(self, cap_blocks: int, block_tokens: int, chunk_tokens: int, budget_tokens: int, max_running: int,
+              policy: str, prefix_caching: bool, paged: bool, backend_tries: int | None) -> None:
+        super().setup(cap_blocks, block_tokens, chunk_tokens, budget_tokens, max_running, policy, False,
+                      prefix_caching, paged, backend_tries)
+
+    @precondition(lambda self: self.sched is not None and self.sched.has_active())
+    @rule(mode=st.sampled_from(["extra", "missing"]))
+    def failing_tick_wrong_count(self, mode: str) -> None:
+        """``failing_tick`` with a backend answering one token too many or too few."""
+        self.failing_tick(mode)
+
+    @precondition(lambda self: self.sched is not None)
+    @rule(user=st.sampled_from(USERS), less=st.integers(0, 2), max_tokens=st.integers(1, 4))
+    def submit_at_the_cache_limit(self, user: str, less: int, max_tokens: int) -> None:
+        """A prompt of ``cap * block_tokens - less`` tokens: accepted exactly when it fits with its
+        first output slot (``rules.prompt_fits``; ``submit`` checks which error)."""
+        c = self.sched.config
+        self.submit(user, c.kv_cap_blocks * c.block_tokens - less, max_tokens, 0)
+
+    @rule(user=st.sampled_from(USERS), token=st.sampled_from([VOCAB - 1, VOCAB, VOCAB + 7]), at=st.integers(0, 9))
+    def submit_token_at_the_vocabulary_edge(self, user: str, token: int, at: int) -> None:
+        """A prompt with one id at the edge of the backend's vocabulary: ids ``>= vocab_size`` are
+        an ``InvalidRequestError`` changing nothing, ``vocab_size - 1`` is accepted."""
+        if self.sched is not None:
+            prompt = [1 + i for i in range(10)]
+            prompt[at] = token
+            self.submit(user, len(prompt), 3, 0, prompt=prompt)
+
+    @precondition(lambda self: self.sched is not None and any(
+        self.seq_of[q].state == lc.ABORTED and len(r.generated) <= 1 and self.key_of[id(r)] == q
+        for q, r in self.accepted.items()))
+    @rule(data=st.data())
+    def resubmit_aborted(self, data: st.DataObject) -> None:
+        """The same ``Request`` object again after it was aborted (with at most one token, so its
+        old figures hold no inter-token gap): accepted afresh, ``generated`` emptied and its
+        timestamps cleared (``submit`` checks)."""
+        old = sorted((q for q, r in self.accepted.items() if self.seq_of[q].state == lc.ABORTED
+                      and len(r.generated) <= 1 and self.key_of[id(r)] == q), key=lambda q: int(q[1:]))
+        r = self.accepted[data.draw(st.sampled_from(old), label="rid")]
+        self.submit(r.user_id, len(r.prompt), r.max_tokens, 0, req=r)
+
+    @precondition(lambda self: self.sched is not None and self.sched.has_active())
+    @rule(data=st.data())
+    def abort_during_forward(self, data: st.DataObject) -> None:
+        """Another thread aborts a request of the batch while ``forward`` runs: its ``abort`` waits
+        for the tick to end, then returns the request if the tick did not finish it (it is then
+        aborted, its token of this tick kept) and ``None`` if it did (``tick()`` returned it).
+        Requests about to finish are drawn first."""
+        plan = self.sched.schedule()
+        if not plan.seqs:
+            return
+        ending = [q for q, k in zip(plan.seqs, plan.num_new_tokens) if q.num_computed_tokens + k == q.num_tokens
+                  and (len(q.req.generated) + 1 >= q.req.max_tokens
+                       or self.backend.eos_at.get(q.req.request_id) == len(q.req.generated) + 1)]
+        seq = data.draw(st.sampled_from(ending or [*plan.seqs, *plan.preempted]), label="victim")
+        result: dict[str, object] = {}
+        waiting = threading.Event()
+
+        def abort_it() -> None:
+            waiting.set()
+            try:
+                result["got"] = self.sched.abort(seq.req)
+            except Exception as e:  # noqa: BLE001 - reported by _settle_abort
+                result["error"] = e
+        other = threading.Thread(target=abort_it, daemon=True)
+
+        def start() -> None:  # inside forward: let the other thread reach abort() and wait there
+            other.start()
+            waiting.wait(5)
+            time.sleep(0.02)
+        self.backend.during = start
+        self.abort_in_tick = (seq, other, result)
+        self.tick()
+
+
+
 class RoundRobinMachine(SchedulerMachine):
     """The same programs under ``RoundRobinPolicy`` only (its order and turns are checked by the
     reference tick): in the main machine it is one policy of five, too rare in a short run."""
@@ -813,6 +835,8 @@ TestScheduler = pytest.mark.slow(SchedulerMachine.TestCase)
 TestScheduler.settings = stateful_settings()
 TestRoundRobin = pytest.mark.slow(RoundRobinMachine.TestCase)
 TestRoundRobin.settings = stateful_settings(examples=max(1, EXAMPLES // 3))
+TestEdgeCases = pytest.mark.slow(EdgeCaseMachine.TestCase)
+TestEdgeCases.settings = stateful_settings(examples=max(1, EXAMPLES // 2))
 
 
 def run_machine(steps: int = 200, examples: int = 30) -> None:
@@ -822,6 +846,7 @@ def run_machine(steps: int = 200, examples: int = 30) -> None:
     depend on the run's random seed (with random seeds, one full-suite run let the "admission
     needs a spare block" plant through: 0 misses in 20 runs of it alone, 1 in that suite run).
     """
-    for machine, n in ((SchedulerMachine, examples), (RoundRobinMachine, max(1, examples // 3))):
+    for machine, n in ((SchedulerMachine, examples), (RoundRobinMachine, max(1, examples // 3)),
+                       (EdgeCaseMachine, max(1, examples // 2))):
         run_state_machine_as_test(machine, settings=stateful_settings(
             steps, n, phases=[Phase.generate], database=None, print_blob=False, derandomize=True))
