@@ -55,7 +55,7 @@ EXTERNAL_DOCS = {"docs/vllm-plugin.md", "docs/prefix-caching.md"}
 FOREIGN = {"anchors/", "anchors", "serve", "vllm", "ray", "torch", "transformers", "z3", "np", "numpy", "fastapi",
            "uvicorn", "httpx", "openai", "hypothesis", "pytest"}
 # snake_case names of other projects' APIs that the docs quote (vLLM, z3, uvicorn, Ray) and one trace.
-EXTERNAL_IDENTIFIERS = {"benchmark_serving", "random_seed", "timeout_graceful_shutdown", "max_restarts",
+EXTERNAL_IDENTIFIERS = {"benchmark_serving", "allocate_slots", "random_seed", "timeout_graceful_shutdown", "max_restarts",
                         "request_router_kwargs", "arrival_time", "skip_tokenizer_init", "poisson_n300",
                         "long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs",
                         "num_computed_tokens", "num_tokens", "num_preemptions", "max_model_len",

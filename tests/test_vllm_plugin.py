@@ -22,8 +22,9 @@ from spec import fairness_rules as fr  # noqa: E402
 
 try:
     from batch.integrations import vllm as bv
+    from vllm.v1.request import RequestStatus
 except ImportError:  # .venv: collected, deselected (-m "not vllm"); these run in .venv-vllm
-    bv = None
+    bv = RequestStatus = None
 
 pytestmark = pytest.mark.vllm
 
@@ -182,12 +183,12 @@ def test_abort_of_waiting_and_running_requests_leaves_nothing_behind():
     step(s, produced)
     for i in range(3, 6):
         s.add_request(vreq(f"a{i}", "A", 30, 50))  # waiting
-    s.finish_requests(["a4", "a0"], bv.RequestStatus.FINISHED_ABORTED)
+    s.finish_requests(["a4", "a0"], RequestStatus.FINISHED_ABORTED)
     assert "a4" not in [r.request_id for r in s.waiting] and len(s.waiting) == 2
     assert "a0" not in [r.request_id for r in s.running]
     out, _ = step(s, produced)
     assert {"a0", "a4"}.isdisjoint(out.num_scheduled_tokens)
-    s.finish_requests(None, bv.RequestStatus.FINISHED_ABORTED)
+    s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests() and len(s.waiting) == 0 and len(pol) == 0
     assert s._live == {} and s._entries == {}
 
@@ -209,20 +210,21 @@ def test_preemption_takes_the_marked_victim_the_policys_while_two_users_run():
 
     def make(thr):
         s = vc.make_vllm_scheduler(thr, bv.FairScheduler, fair_policy=Spy(isolation=False))
-        pre, mark = s._preempt_request, s._mark_victim
+        pre, choose = s._preempt_request, s._choose_victim
 
         def spy_preempt(request, *a, **k):
             preempted.append(request.request_id)
             return pre(request, *a, **k)
 
-        def spy_mark():
-            mark()
-            marked.append(s._marked.request_id)
-        s._preempt_request, s._mark_victim = spy_preempt, spy_mark
+        def spy_choose(running):
+            v = choose(running)
+            marked.append(v.request_id)
+            return v
+        s._preempt_request, s._choose_victim = spy_preempt, spy_choose
         return s
 
     run = vc.run_vllm(heavy_and_light(), make=make)
-    assert run.preemptions > 0 and preempted == marked  # vLLM preempted exactly the marked victims
+    assert run.preemptions > 0 and preempted == marked  # vLLM preempted exactly the victims it read
     assert picked and set(picked) <= set(preempted)  # the policy chose while B ran
     assert "B0" not in preempted  # the light user's request is preempted last
     assert vc.run_vllm(heavy_and_light()).preemptions > 0

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from batch.policies.policy import Policy
 from batch.policies.vtc import VTCPolicy
@@ -120,6 +120,33 @@ class _Entry:
     @property
     def num_computed_tokens(self) -> int:
         return self.vreq.num_computed_tokens
+
+
+class _FairRequest(Request):
+    """A vLLM ``Request`` whose ``priority`` names its ``FairScheduler``'s victim: 1 for the request
+    ``Policy.victim`` chooses among ``running``, 0 for the others; writes are ignored.
+
+    vLLM's priority preemption path reads ``priority`` only as ``max(running, key=(priority,
+    arrival_time))`` when a running request's blocks do not fit (``Scheduler.schedule``; its
+    waiting queue, the other reader, is replaced by ``PolicyQueue``), so the victim is chosen
+    only when a preemption happens and the hot path pays nothing. ``FairScheduler.add_request``
+    turns each request into this class (same layout: no new slots).
+    """
+
+    _fair: FairScheduler | None = None
+
+    @property
+    def priority(self) -> int:  # read n times a preemption (vLLM's max over running): kept to attribute reads
+        sched = self._fair
+        if sched is None:
+            return 0
+        if sched._victim_of is not sched.running:
+            sched._victim()
+        return 1 if sched._victim_req is self else 0
+
+    @priority.setter
+    def priority(self, value: int) -> None:
+        pass  # the victim is the only priority
 
 
 class PolicyQueue(RequestQueue):
@@ -225,7 +252,8 @@ class FairScheduler(Scheduler):
 
     Invariant: every live request has one entry; ``_live[u]`` counts user u's live requests
     (waiting or running; no zero entries) and ``Policy.on_idle(u)`` runs when it reaches 0,
-    after that step's charges. Departs from vLLM: the request's own ``priority`` is ignored.
+    after that step's charges. Departs from vLLM: the request's own ``priority`` is ignored
+    (``_FairRequest``).
     """
 
     def __init__(self, *args: Any, fair_policy: Policy | None = None, **kwargs: Any) -> None:
@@ -237,7 +265,9 @@ class FairScheduler(Scheduler):
         self._user: dict[str, str] = {}  # request_id -> user, live requests
         self._first_pending: dict[str, int] = {}  # live requests per user without an output token
         self._prefilling: set[_Entry] = set()  # admitted, no output token yet
-        self._marked: Request | None = None  # the victim marked for vLLM's priority path
+        self._victim_of: list[Request] | None = None  # the ``running`` list ``_victim_req`` was chosen in
+        self._victim_req: Request | None = None
+        self._one_token = self.vllm_config.speculative_config is None  # at most one sampled token a request
         self._streak = 0  # consecutive isolated steps
         self.num_isolated_steps = 0
         # vLLM's priority path preempts max(running, key=(priority, arrival_time)): the only
@@ -246,17 +276,6 @@ class FairScheduler(Scheduler):
         self.policy = SchedulingPolicy.PRIORITY
         self.waiting = PolicyQueue(self.fair_policy, self._entries)
         self.kv_holding_waiting = create_request_queue(SchedulingPolicy.FCFS)
-        kvm = self.kv_cache_manager
-        allocate = kvm.allocate_slots
-        running = RequestStatus.RUNNING
-
-        def allocate_slots(request: Request, *a: Any, **kw: Any):
-            blocks = allocate(request, *a, **kw)
-            if blocks is None and request.status == running:
-                self._mark_victim()  # vLLM preempts next: choose its victim
-            return blocks
-
-        kvm.allocate_slots = allocate_slots
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -264,7 +283,8 @@ class FairScheduler(Scheduler):
         rid = request.request_id
         if rid not in self._entries and rid not in self.requests:
             user = user_of(request)
-            request.priority = 0  # the victim mark is the only priority
+            request.__class__ = _FairRequest  # its priority is this scheduler's victim mark
+            request._fair = self
             self._entries[rid] = _Entry(request, user, next(self._arrivals))
             self._user[rid] = user
             self._live[user] = self._live.get(user, 0) + 1
@@ -275,6 +295,7 @@ class FairScheduler(Scheduler):
         out = super()._free_request(request, delay_free_blocks)
         e = self._entries.pop(request.request_id, None)
         if e is not None:
+            request._fair = None
             del self._user[request.request_id]
             u = e.user_id
             self._prefilling.discard(e)
@@ -304,8 +325,9 @@ class FairScheduler(Scheduler):
         prefills toward its first token (``policy.isolation``, at most K steps in a row)."""
         queue = self.waiting
         queue.settle()
+        self._victim_of = None  # the counters and ``running`` changed since the last step
         light = self._light_pending() if self.fair_policy.isolation and \
-            fr.sit_out_allowed(self._streak, MAX_SIT_OUT_TICKS) else None
+            fast(fr.sit_out_allowed)(self._streak, MAX_SIT_OUT_TICKS) else None
         if not light:
             self._streak = 0
             out = super().schedule(*args, **kwargs)
@@ -325,7 +347,7 @@ class FairScheduler(Scheduler):
         step's admissions (Batch's rule), estimated as the running ones plus the waiting ones
         that the token budget, the free blocks and the free slots could admit in 64-token chunks."""
         live = self._live
-        if len(live) < 2:
+        if len(live) < 2 or not self._first_pending:
             return set()
         bs, n_run = self.block_size, len(self.running)
         chunk = self.scheduler_config.long_prefill_token_threshold or self.max_num_scheduled_tokens
@@ -334,7 +356,8 @@ class FairScheduler(Scheduler):
                    self.max_num_active_reqs - n_run)
         total, weight = n_run + max(room, 0), self.fair_policy.weight
         total_w = sum(weight(u) for u in live)
-        return {u for u in self._first_pending if fr.within_share(live[u], weight(u), total, total_w, 1, 2)}
+        within = fast(fr.within_share)  # the plain-int form: this runs every step
+        return {u for u in self._first_pending if within(live[u], weight(u), total, total_w, 1, 2)}
 
     def _schedule_isolated(self, light: set[str], args: tuple, kwargs: dict):
         """One step in which only light users' requests without an output token run or are
@@ -428,26 +451,29 @@ class FairScheduler(Scheduler):
             self._preempt_request(r, now, drop_stale_output=self.requires_kv_delivery)
         return True
 
-    def _mark_victim(self) -> None:
-        """Mark the policy's victim among ``running`` (priority 1, all others 0) for vLLM's
-        priority preemption path; with one user, vLLM's FCFS victim ``running[-1]``."""
-        if self._marked is not None:
-            self._marked.priority = 0
-            self._marked = None
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any):
+        self._victim_of = None  # ``running`` changed: the next victim is chosen afresh
+        return super()._preempt_request(request, *args, **kwargs)
+
+    def _victim(self) -> Request | None:
+        """The policy's victim among ``running`` (``_FairRequest.priority`` reads it), chosen once
+        per step and after each preemption; with one user, vLLM's FCFS victim ``running[-1]``."""
         running = self.running
+        if self._victim_of is not running:  # reset by each schedule() and each preemption
+            self._victim_of, self._victim_req = running, self._choose_victim(running)
+        return self._victim_req
+
+    def _choose_victim(self, running: list[Request]) -> Request | None:
         if not running:
-            return
+            return None
         entries = self._entries
         cands = [entries[r.request_id] for r in running]
         if len({e.user_id for e in cands}) == 1:
-            victim = running[-1]
-        else:
-            bs = self.block_size
-            for e in cands:  # only len() is read: the blocks its computed tokens fill
-                e.block_table = range(-(-e.vreq.num_computed_tokens // bs))
-            victim = self.fair_policy.victim(cands).vreq
-        victim.priority = 1
-        self._marked = victim
+            return running[-1]
+        bs = self.block_size
+        for e in cands:  # only len() is read: the blocks its computed tokens fill
+            e.block_table = range(-(-e.vreq.num_computed_tokens // bs))
+        return self.fair_policy.victim(cands).vreq
 
     def update_from_output(self, scheduler_output, model_runner_output):
         """Charge the step's service (``charge``), then vLLM's ``update_from_output``."""
@@ -485,7 +511,7 @@ class FairScheduler(Scheduler):
             if e.awaits_first:
                 self._drop_first_pending(e)
         users = self._user
-        if max(map(len, sampled), default=0) <= 1:  # one token a request: count in C
+        if self._one_token or max(map(len, sampled), default=0) <= 1:  # one token a request: count in C
             got = Counter(compress(map(users.get, req_ids), sampled))
         else:  # speculative decoding: several tokens a request
             got = Counter()
