@@ -14,6 +14,12 @@ under a ``Command:`` line (a fenced block unless the script prints markdown). A 
 against the HTTP server (``Run.serve``) first starts ``batch serve`` on a free local port with
 those arguments, waits for ``/health``, runs the client with ``--base-url``, then stops the server.
 
+A doc quotes a step's output by embedding it, never by copying it: a region of ``README.md`` or
+``docs/*.md`` between ``<!-- figures: NAME -->`` and ``<!-- /figures: NAME -->`` is replaced, at
+the end of every run (and by ``--embed`` alone), with the generated file ``docs/results/NAME.md``
+(its header line, naming step, command and commit, included). ``tests/test_figures.py`` fails
+while a region differs from its file.
+
 A step whose command fails leaves its old output in place (the new one is written to a
 temporary file first); the others still run, and the exit status is 1. Opt-in steps (long, or
 needing what the default install lacks) run only with ``--all`` or ``--only``, except that a
@@ -23,6 +29,7 @@ links ``docs/results/benchmarks-big.json``).
 from __future__ import annotations
 
 import argparse
+import re
 import datetime as _dt
 import shlex
 import socket
@@ -109,12 +116,27 @@ STEPS: tuple[Step, ...] = (
          ("docs/benchmarks.md", "docs/results/benchmarks.json", "docs/img/"), capture=False),
     Step("bench-big", (_py("bench/bench.py", "--big"),), ("docs/benchmarks-big.md", "docs/results/benchmarks-big.json"),
          capture=False, opt_in="about 8 minutes of CPU", when_missing=True),
+    # The main job's sample outputs (README): `make run`, two trace replays, the model backend.
+    Step("run", (_py("-m", "batch"),), _results("run")),
+    Step("run-azure", (_py("-m", "batch", "--trace", "norm_azure2023_conv.csv", "--limit", "2000",
+                           "--kv-cap-blocks", "1024", "--time-scale", "2"),), _results("run-azure")),
+    Step("run-mooncake", (_py("-m", "batch", "--trace", "norm_mooncake_conversation.csv", "--limit", "300",
+                              "--kv-cap-blocks", "2048"),), _results("run-mooncake")),
+    Step("run-model", (_py("-m", "batch", "--backend", "model"),), _results("run-model")),
     Step("cold-fairness", (_py("bench/cold_fairness.py", "--seeds", "20", "--styles", "at_once,when_due,arrival",
                                "--policies", "batch,fcfs"),), _results("cold-fairness")),
     Step("vllm-compare", (_py("bench/vllm_compare.py", "--fair-vllm", vllm=True),), _results("vllm-compare"),
          markdown=True),
-    Step("vllm-prefix-compare", (_py("bench/vllm_prefix_compare.py", vllm=True),), _results("vllm-prefix-compare"),
-         markdown=True),
+    Step("vllm-tolerance", (_py("bench/vllm_compare.py", "--fcfs", "--tolerance", "2048", "--tolerance", "8192",
+                                "--tolerance", "32768", "--tolerance", "131072", "--no-sweep", vllm=True),),
+         _results("vllm-tolerance"), markdown=True),
+    Step("vllm-prefix-compare", (_py("bench/vllm_prefix_compare.py", "--cold", vllm=True),),
+         _results("vllm-prefix-compare"), markdown=True),
+    # docs/prefix-caching.md: the issue's main-job command, and the A/B burst with a shared prompt.
+    Step("prefix-main-job", (Run((BATCH, "--trace", "../shared/traces/mooncake_conversation_trace.jsonl", "--limit",
+                                  "400", "--kv-cap-blocks", "2048", "--users", "5", "--clock", "virtual")),),
+         _results("prefix-main-job")),
+    Step("prefix-ab", (_py("bench/vllm_prefix_compare.py", "--ab-seeds", "10"),), _results("prefix-ab"), markdown=True),
     Step("vllm-plugin-cpu", (_py("scripts/vllm_plugin_cpu.py", "--repeats", "5", vllm=True),), _results("vllm-plugin-cpu"),
          markdown=True),
     Step("load", (_py("bench/bench_load.py"),), _results("load")),
@@ -156,6 +178,7 @@ STEPS: tuple[Step, ...] = (
     Step("scaleout-ray", (_py("bench/scaleout_ray.py", "--replicas", "1,2", "--per-replica", "300", "--overload", "50"),),
          _results("scaleout-ray"), opt_in="Ray Serve in real time, several minutes (the scaleout extra)"),
     Step("ablation", (_py("bench/ablation.py"),), _results("ablation"), markdown=True),
+    Step("verify", (_py("-m", "spec.verify"),), _results("verify")),
     Step("fairness", (_py("bench/bench_fairness.py"),), _results("fairness"), opt_in="long: every fairness workload"),
     Step("throughput", (_py("bench/bench_throughput.py"),), _results("throughput"),
          opt_in="long: the order and TTFT searches"),
@@ -262,6 +285,42 @@ def run_step(step: Step, commit: str) -> tuple[bool, float]:
     return True, time.perf_counter() - t0
 
 
+#: The markers of a region that embeds ``docs/results/NAME.md`` (module docstring).
+REGION_RE = re.compile(r"(<!-- figures: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures: (?P=name) -->)", re.S)
+
+
+def doc_files() -> list[Path]:
+    """The hand-written docs that may embed generated figures: README.md and docs/*.md."""
+    return [p for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))) if p.is_file()]
+
+
+def embedded(text: str) -> str:
+    """``text`` with every figures region holding its results file as it is now.
+
+    Raises:
+        ValueError: a region names a step that has no ``docs/results/NAME.md`` (not generated yet
+            or misspelt).
+    """
+    def fill(m: re.Match) -> str:
+        path = ROOT / "docs" / "results" / f"{m['name']}.md"
+        if not path.is_file():
+            raise ValueError(f"figures region {m['name']!r}: no {path.relative_to(ROOT)}")
+        return m.group(1) + path.read_text().rstrip("\n") + "\n" + m.group(4)
+    return REGION_RE.sub(fill, text)
+
+
+def embed() -> list[str]:
+    """Rewrite every doc's figures regions from ``docs/results/``; returns the files changed."""
+    changed = []
+    for doc in doc_files():
+        old = doc.read_text()
+        new = embedded(old)
+        if new != old:
+            doc.write_text(new)
+            changed.append(str(doc.relative_to(ROOT)))
+    return changed
+
+
 def selected(only: str | None, every: bool) -> list[Step]:
     """The steps to run, in ``STEPS`` order; raises SystemExit naming an unknown step."""
     if only:
@@ -292,9 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the steps, their commands and outputs, and exit")
     ap.add_argument("--only", default=None, help="comma-separated step names (opt-in steps included)")
     ap.add_argument("--all", action="store_true", help="the opt-in steps too")
+    ap.add_argument("--embed", action="store_true",
+                    help="only rewrite the docs' figures regions from docs/results/ (no step runs)")
     a = ap.parse_args(argv)
     if a.list:
         print(listing())
+        return 0
+    if a.embed:
+        print("[figures] embedded in: " + (", ".join(embed()) or "nothing changed"), file=sys.stderr)
         return 0
     steps = selected(a.only, a.all)
     commit = git_commit()
@@ -305,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not ok:
             failed.append(s.name)
     print("[figures] " + "; ".join(took), file=sys.stderr)
+    print("[figures] embedded in: " + (", ".join(embed()) or "nothing changed"), file=sys.stderr)
     return 1 if failed else 0
 
 
