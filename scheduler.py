@@ -83,7 +83,8 @@ class Scheduler:
                  policy: Policy | None = None, isolation: bool | None = None, admission_headroom: bool | None = None,
                  resume_first: bool | None = None, prefix_caching: bool = False, max_preemptions: int | None = MAX_PREEMPTIONS,
                  aging_ticks: int = AGING_TICKS, max_sit_out_ticks: int = MAX_SIT_OUT_TICKS,
-                 max_backend_tries: int | None = None, record_itl: bool = True, check_invariants: bool | None = None,
+                 max_backend_tries: int | None = None, record_itl: bool = True,
+                 max_latency_samples: int | None = None, check_invariants: bool | None = None,
                  on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> None:
         stub = inference_stub
         cap = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256) if kv_cap_blocks is None else kv_cap_blocks)
@@ -122,7 +123,7 @@ class Scheduler:
         self._backend = backend
         self.on_tokens = on_tokens
         pool = PrefixCachingPool(cap, bt) if prefix_caching else BlockPool(cap)
-        self.state = State(pool, MetricsRecorder(record_itl=record_itl))
+        self.state = State(pool, MetricsRecorder(record_itl=record_itl, max_samples=max_latency_samples))
         self.max_backend_tries = None if max_backend_tries is None else _positive("max_backend_tries",
                                                                                   max_backend_tries)
         self._checker: Any = None

@@ -425,7 +425,7 @@ class InvariantChecker:
         self._snap = snapshot(sched) if modelled and len(sched.state.by_obj) <= self.max_requests else None
         self._ref = None
         s = sched.state.stats
-        self._stats_before = (s.ticks, s.nonempty_ticks, s.preemptions, len(s.e2e_s), len(s.itl_s))
+        self._stats_before = (s.ticks, s.nonempty_ticks, s.preemptions, s.finished, len(s.itl_s))
         self._outside = (sched.state.arrivals, s.finish_reasons["abort"])
         if self._snap is None:
             self.skipped += 1
@@ -588,13 +588,14 @@ class InvariantChecker:
         s = st.stats
         n_fin = len(want.finished)
         itl = sum(1 for k in want.produced if k not in want.first_token) if s.record_itl else 0
-        got_c = (s.ticks - ticks, s.nonempty_ticks - nonempty, s.preemptions - pre, len(s.e2e_s) - n_e2e,
+        got_c = (s.ticks - ticks, s.nonempty_ticks - nonempty, s.preemptions - pre, s.finished - n_e2e,
                  len(s.itl_s) - n_itl)
         want_c = (1, 1 if want.produced or self._ref.batch else 0, len(self._ref.preempted), n_fin, itl)
         if got_c != want_c:
             fail("reference_metrics", f"(ticks, non-empty ticks, preemptions, completions, ITL gaps) this tick: the "
                                       f"rules give {want_c}, the recorder {got_c}")
-        for (key, _), e2e in zip(want.finished, list(s.e2e_s)[len(s.e2e_s) - n_fin:]):
+        tail = list(s.e2e_s)[-n_fin:] if n_fin else []  # fewer when ``max_samples`` trimmed this tick
+        for (key, _), e2e in zip(want.finished[n_fin - len(tail):], tail):
             if not _same_time(e2e, key.req.completed_at - key.req.submitted_at):
                 fail("reference_metrics", f"{key.request_id}: e2e recorded {e2e}, completed_at - submitted_at "
                                           f"{key.req.completed_at - key.req.submitted_at}")

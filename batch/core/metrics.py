@@ -38,10 +38,20 @@ def _spread(name: str, xs: Any, ordered: list[float]) -> dict[str, float]:
 
 class MetricsRecorder:
     """Per-tick and per-request figures; ``summary()`` turns them into a dict. ``record_itl``: keep
-    every inter-token gap (8 bytes a token; off: ITL keys read 0.0). Nothing is kept per user."""
+    every inter-token gap (8 bytes a token; off: ITL keys read 0.0). ``max_samples``: keep only
+    the latest ``max_samples`` (up to twice that between trims) of each per-request latency
+    (e2e, TTFT, TPOT, queue time: 8 bytes a request each), so a long-running server's memory
+    does not grow with the requests it served; its percentiles and means are then over that
+    window, the counts (``requests_finished``, throughput) over everything. ``None``: keep all.
+    Nothing is kept per user."""
 
-    def __init__(self, *, record_itl: bool = True) -> None:
+    def __init__(self, *, record_itl: bool = True, max_samples: int | None = None) -> None:
+        if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 1):
+            raise ValueError(f"max_samples must be an int >= 1 or None, got {max_samples!r}")
         self.record_itl = record_itl
+        self.max_samples = max_samples
+        self.finished = 0  # requests completed (on_finish), all of them
+        self.queue_dropped = 0  # queue-time samples trimmed from the front of ``queue_s`` so far
         self.ticks = 0
         self.nonempty_ticks = 0
         self.batch_requests = 0
@@ -91,6 +101,9 @@ class MetricsRecorder:
                                                                                         completed_s)
         self.output_tokens += output_tokens
         self.prompt_tokens += prompt_tokens
+        self.finished += 1
+        if self.max_samples is not None and len(self.e2e_s) >= 2 * self.max_samples:
+            self._trim()
         self.e2e_s.append(completed_s - submitted_s)
         if admitted_s is not None:
             self.queue_s.append(admitted_s - submitted_s)
@@ -98,6 +111,14 @@ class MetricsRecorder:
             self.ttft_s.append(first_token_s - submitted_s)
             if output_tokens >= 2:
                 self.tpot_s.append((completed_s - first_token_s) / (output_tokens - 1))
+
+    def _trim(self) -> None:
+        """Drop all but the latest ``max_samples`` of each per-request latency (amortised O(1) a request)."""
+        keep = self.max_samples
+        assert keep is not None
+        self.queue_dropped += max(0, len(self.queue_s) - keep)
+        for xs in (self.e2e_s, self.ttft_s, self.tpot_s, self.queue_s):
+            del xs[:max(0, len(xs) - keep)]
 
     def summary(self, *, kv_blocks_in_use: int, kv_cap_blocks: int, waiting: int, running: int) -> dict[str, Any]:
         """All metrics as a dict (keys: the contract's four, then the rest below; ``docs/design.md``
@@ -114,11 +135,11 @@ class MetricsRecorder:
             "avg_latency_s": _mean(self.e2e_s),
             "p99_latency_s": _pct(e2e, 99),
             "gpu_utilization": float(self.nonempty_ticks / self.ticks) if self.ticks else 0.0,
-            "requests_finished": len(self.e2e_s),
+            "requests_finished": self.finished,
             "output_tokens": self.output_tokens,
             "prompt_tokens": self.prompt_tokens,
             "duration_s": duration,
-            "request_throughput": len(self.e2e_s) / duration if duration > 0 else 0.0,
+            "request_throughput": self.finished / duration if duration > 0 else 0.0,
             **_spread("ttft", self.ttft_s, ttft), **_spread("tpot", self.tpot_s, tpot),
             **_spread("itl", self.itl_s, itl), **_spread("e2e", self.e2e_s, e2e),
             "queue_p50_s": _pct(queue, 50), "queue_p99_s": _pct(queue, 99),

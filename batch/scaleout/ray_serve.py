@@ -47,6 +47,7 @@ from batch.server.app import DEFAULT_MAX_TOKENS, ApiError, CompletionBody, read_
 from batch.server.auth import AuthError, Identities
 from batch.server.engine import Engine, SeededGPU, ServedRequest
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
+from batch.server.serve import LATENCY_SAMPLES
 from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder
 from inference_stub import EOS_PROBABILITY, KV_BLOCK_TOKENS, MAX_KV_BLOCKS
@@ -200,7 +201,8 @@ class EngineReplica:
         self.policy = GlobalVTCPolicy(replica_id=self.replica_id, weights=weights or {})
         kw: dict[str, Any] = {"kv_cap_blocks": kv_cap_blocks} if kv_cap_blocks else {}
         gpu = SeededGPU(time_scale=time_scale, seed=seed, eos_probability=eos_probability)
-        sched = Scheduler(backend=gpu, policy=self.policy, record_itl=False, max_backend_tries=3, **kw)
+        sched = Scheduler(backend=gpu, policy=self.policy, record_itl=False, max_backend_tries=3,
+                          max_latency_samples=LATENCY_SAMPLES, **kw)
         self.engine = Engine(sched)
         self.metrics_board = metrics_board
         self.metrics_period_s = metrics_period_s

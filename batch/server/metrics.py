@@ -169,11 +169,12 @@ class ServerMetrics:
                         self.tpot.observe((t - sink.first_token_s) / (n - 1))
         for u, n in per_user.items():
             self.generation_tokens.labels(self.user_label(u)).inc(n)
-        q = self.engine.scheduler.stats.queue_s  # the scheduler's per-request queue times, appended at finish
-        if len(q) > self._queue_seen:
-            for x in q[self._queue_seen:]:
+        stats = self.engine.scheduler.stats  # its per-request queue times, appended at finish (a trimmed window)
+        q, dropped = stats.queue_s, stats.queue_dropped
+        if dropped + len(q) > self._queue_seen:
+            for x in q[max(0, self._queue_seen - dropped):]:
                 self.queue.observe(x)
-            self._queue_seen = len(q)
+            self._queue_seen = dropped + len(q)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -44,6 +44,10 @@ from scheduler import Scheduler
 
 __all__ = ["UserConfig", "load_config", "build_engine", "main"]
 
+#: Per-request latencies the server's scheduler keeps for its own summary (``MetricsRecorder``'s
+#: ``max_samples``): a window, so memory does not grow with the requests served; ``/metrics``
+#: exports Prometheus histograms over every request.
+LATENCY_SAMPLES = 10_000
 POLICIES = ("vtc", "fcfs", "round-robin")
 
 
@@ -127,6 +131,7 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
     pol = VTCPolicy(weights=weights or {}) if policy == "vtc" else (
         FCFSPolicy() if policy == "fcfs" else RoundRobinPolicy())
     kw: dict[str, Any] = {"policy": pol, "record_itl": False, "check_invariants": check_invariants,
+                          "max_latency_samples": LATENCY_SAMPLES,  # /metrics has its own histograms
                           "max_backend_tries": 3,  # a failing backend fails its batch, not the server
                           "prefix_caching": prefix_caching}
     if max_running is not None:
