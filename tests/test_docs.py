@@ -34,12 +34,15 @@ import builtins
 import functools
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import figures  # noqa: E402  (tools/figures.py: the one writing of a figures region's markers)
 DOCS = ROOT / "docs"
 
 # Files a command writes; a doc may name them before the command has run. Each with its command.
@@ -299,14 +302,13 @@ def generated_file(text: str) -> bool:
     return bool(COMMAND_RE.search(text.splitlines()[0] if text else ""))
 
 
-FIGURES_REGION_RE = re.compile(r"^<!-- figures: ([\w-]+) -->\n.*?^<!-- /figures: \1 -->$", re.S | re.M)
 
 
 def in_generated_region(text: str) -> Callable[[int], bool]:
     """Whether a 1-based line lies in a region embedding a generated file (``make figures``), whose
     own first line names its step and command."""
     spans = [(text.count("\n", 0, m.start()) + 1, text.count("\n", 0, m.end()) + 1)
-             for m in FIGURES_REGION_RE.finditer(text)]
+             for m in figures.REGION_RE.finditer(text)]
     return lambda line: any(a <= line <= b for a, b in spans)
 
 
