@@ -393,7 +393,8 @@ class InvariantChecker:
         self._snap: Any = None
         self._ref: Any = None
         self._stats_before: tuple = ()
-        self._outside: tuple = ()  # (arrivals, aborts) at the start of the tick
+        self._outside = 0  # aborts at the start of the tick
+        self._known: set = set()  # the records in flight at the start of the tick
         from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
 
         self.validator = TraceValidator()
@@ -412,11 +413,13 @@ class InvariantChecker:
                 ticking = vars(p)["_checked_by"]
                 cfg, state = ticking.config, ticking.state
                 for q in cands:
-                    if q.pinned or not fr.may_preempt(q.num_preemptions, cfg.max_preemptions, q.admit_tick,
-                                                      state.tick_no):
+                    prot = fr.protected(q.holder, q.admit_tick, state.tick_no, cfg.quantum_ticks)
+                    if q.pinned or prot or not fr.may_preempt(q.num_preemptions, cfg.max_preemptions, q.admit_tick,
+                                                              state.tick_no):
                         raise InvariantViolation("victim_candidates", f"{q.request_id} offered as a victim (pinned "
-                                                 f"{q.pinned}, preempted {q.num_preemptions} times, admitted at tick "
-                                                 f"{q.admit_tick}, now {state.tick_no})", _summary(ticking, None))
+                                                 f"{q.pinned}, protected {prot}, preempted {q.num_preemptions} "
+                                                 f"times, admitted at tick {q.admit_tick}, now {state.tick_no})",
+                                                 _summary(ticking, None))
                 return choose(cands)
             p.victim = victim
 
@@ -426,7 +429,8 @@ class InvariantChecker:
         self._ref = None
         s = sched.state.stats
         self._stats_before = (s.ticks, s.nonempty_ticks, s.preemptions, s.finished, len(s.itl_s))
-        self._outside = (sched.state.arrivals, s.finish_reasons["abort"])
+        self._outside = s.finish_reasons["abort"]
+        self._known = set(sched.state.by_obj.values())
         if self._snap is None:
             self.skipped += 1
         else:
@@ -529,8 +533,9 @@ class InvariantChecker:
                                         f"kv_blocks_for, cap {cfg.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
         if self._snap is not None and self._ref is not None:
-            if (st.arrivals, st.stats.finish_reasons["abort"]) != self._outside:
-                self.skipped += 1  # submitted or aborted while forward ran: not the reference's tick
+            # submitted (a record the snapshot lacks) or aborted while forward ran: not the reference's tick
+            if st.stats.finish_reasons["abort"] != self._outside or any(s not in self._known for s in st.by_obj.values()):
+                self.skipped += 1
             else:
                 self._check_reference(sched, plan, tokens, now_s, fail)
                 self.checked += 1
@@ -555,6 +560,12 @@ class InvariantChecker:
         if want.reserved is not st.reserved:
             fail("reference_state", f"reservation: the rules give {_show(want.reserved)}, the scheduler "
                                     f"{_show(st.reserved)}")
+        if want.protected is not st.protected:
+            fail("reference_state", f"protected holder: the rules give {_show(want.protected)}, the scheduler "
+                                    f"{_show(st.protected)}")
+        if want.arrivals != st.arrivals:
+            fail("reference_state", f"arrival numbers handed out: the rules give {want.arrivals}, the scheduler "
+                                    f"{st.arrivals}")
         if want.streak != st.streak or want.admissions != st.admissions or st.tick_no != snap.tick + 1:
             fail("reference_state", f"streak/admissions/tick: the rules give {want.streak}/{want.admissions}/"
                                     f"{snap.tick + 1}, the scheduler {st.streak}/{st.admissions}/{st.tick_no}")
@@ -616,10 +627,11 @@ def snapshot(sched: Any) -> Any:
         return None
     cfg = reference.Cfg(c.kv_cap_blocks, c.block_tokens, c.prefill_chunk_tokens, c.token_budget_tokens,
                         c.max_running, c.max_preemptions, c.aging_ticks, c.headroom, c.isolation, c.resume_first,
-                        c.max_sit_out_ticks, c.eos_token_id)
+                        c.max_sit_out_ticks, c.eos_token_id, c.quantum_ticks, c.hold_ticks)
     waiting = sorted((s for s in st.by_obj.values() if s.state in lc.WAITING_STATES), key=lambda s: s.arrival_no)
     snap = reference.Snapshot(cfg, st.pool.num_free, st.tick_no, st.streak, st.admissions, st.reserved,
-                              [reference.req_of(s) for s in st.running], [reference.req_of(s) for s in waiting], kind)
+                              [reference.req_of(s) for s in st.running], [reference.req_of(s) for s in waiting], kind,
+                              arrivals=st.arrivals, protected=st.protected)
     if kind == "fcfs":
         snap.queue = list(p.order())
     elif kind == "rr":

@@ -220,9 +220,9 @@ class Choices:
         late_preempt: per slot, a running request preempted after admission (isolation
             making room; its grant of this plan is undone).
         revoke: per slot, an admission of this plan taken back (isolation).
-        room: per slot, a running request preempted to make room for a light user's request
-            (``batch.core.step``), right before the admission check of slot ``room_head``.
-        room_head: the slot whose admission the ``room`` victims are preempted for.
+        room: running slots preempted to make room for admissions (``batch.core.step``'s
+            ``_room``), in the order they are preempted: right before a waiting slot's admission
+            check, while its blocks do not fit, the next of them (still alive) is preempted.
         assumptions: constraints on the choice variables (filled in by ``tick``).
     """
 
@@ -234,8 +234,7 @@ class Choices:
     headroom: Sequence[Int] | None = None
     late_preempt: Sequence[Bool] | None = None
     revoke: Sequence[Bool] | None = None
-    room: Sequence[Bool] | None = None
-    room_head: int = -1
+    room: Sequence[int] | None = None
     assumptions: list = field(default_factory=list)
 
 
@@ -317,21 +316,24 @@ def tick(reqs: Sequence[Req], free_blocks: Int, cfg: Cfg, choices: Choices | Non
     resident = Sum([If(x, one, zero) for x in alive])
     n_admitted: Int = zero
     admitted: list = [False] * R
+    room = list(ch.room) if ch.room is not None else []
+    used = [False] * len(room)  # room victims preempted so far
     for j, r in enumerate(reqs):
-        if ch.room is not None and j == ch.room_head:  # room for slot j: its victims go first
-            for v, rv in enumerate(reqs):
-                hit = And(alive[v], ch.room[v])
-                free = free + If(hit, rv.h + If(granted[v], got[v], 0), 0)
-                budget = budget + If(And(hit, granted[v]), k[v], 0)
-                k[v] = If(hit, 0, k[v])
-                got[v] = If(hit, 0, got[v])
-                alive[v] = And(alive[v], Not(hit))
-                granted[v] = And(granted[v], Not(hit))
-                preempted[v] = Or(preempted[v], hit)
         consider = And(is_waiting(r.st), Not(stop))
+        need = rules.blocks_needed(r.n, B) + (ch.extra_blocks[j] if ch.extra_blocks is not None else 0)
+        for a, v in enumerate(room):  # room for slot j: the next victims while its blocks do not fit
+            hit = And(consider, Not(used[a]), alive[v], Not(rules.can_allocate(free, need)))
+            free = free + If(hit, reqs[v].h + If(granted[v], got[v], 0), 0)
+            budget = budget + If(And(hit, granted[v]), k[v], 0)
+            k[v] = If(hit, 0, k[v])
+            got[v] = If(hit, 0, got[v])
+            alive[v] = And(alive[v], Not(hit))
+            granted[v] = And(granted[v], Not(hit))
+            preempted[v] = Or(preempted[v], hit)
+            used[a] = Or(used[a], hit)
+            resident = resident - If(hit, one, zero)
         full = resident + n_admitted >= cfg.max_running
         no_budget = budget <= 0
-        need = rules.blocks_needed(r.n, B) + (ch.extra_blocks[j] if ch.extra_blocks is not None else 0)
         fits = fr.can_admit(free, need, ch.headroom[j] if ch.headroom is not None else 0)
         admitted[j] = And(consider, Not(full), Not(no_budget), fits)
         stop = Or(stop, And(consider, Or(full, no_budget, And(Not(fits), Not(ch.backfill)))))

@@ -4,23 +4,30 @@ possible, to check the real one against on every tick (trace validation).
 ``Scheduler(check_invariants=True)`` (the test suite's default) takes a ``Snapshot`` of the
 scheduler's state before each tick, asks ``reference_plan`` what the rules decide, and compares
 it with the plan ``batch.core.step.schedule`` made; after ``forward`` it asks ``reference_apply``
-what the tick must change (states, tokens, blocks, counters, the reservation, the isolation
-streak, the timestamps and counts the metrics are computed from) and compares the scheduler's
-state after the tick. Any difference is an ``InvariantViolation`` (``spec.invariants``).
+what the tick must change (states, tokens, blocks, counters, admission order numbers, the
+reservation and its protected holder, the isolation streak, the timestamps and counts the
+metrics are computed from) and compares the scheduler's state after the tick. Any difference is
+an ``InvariantViolation`` (``spec.invariants``).
 
-What it covers: the running step (growth, preemption by the policy's victim rule, chunk size,
-token budget), admission (the reservation, resume-first trials, the policy's order with VTC's
-band, charges between picks and lift floor, the slot cap, headroom, pinned requests' worst
-case, room made for a light user's head), isolation (light users, sit-outs, the streak bound),
-and apply (admission records, prompt charged once, token kept only at the last known token,
-EOS and length finishes, blocks freed, counters charged, lifts on requeue, forgetting, aging).
+What it covers (``docs/design.md``, "What the steps decide"): the running step (growth,
+preemption by the policy's victim rule: VTC's pressure pre-selection then ``victim_before``;
+neither pinned nor protected requests are victims; chunk size, token budget), admission (the
+reservation holder unless a protected request is resident, resume-first trials, the policy's
+order: VTC's light users first by ``order_no`` then the band; the slot cap, headroom, pinned
+requests' worst case; room by preemption for the holder, for a light user's request and, under
+pressure, after the quantum; the blocked head and the hold), isolation (light users by demand,
+sit-outs, the streak bound), and apply (admission records, the protected holder, prompt charged
+once, token kept only at the last known token, EOS and length finishes, blocks freed, counters
+charged, requeue with a new ``order_no`` for VTC's preempted decodes, lifts on requeue,
+forgetting, aging and the reservation).
 
 It is written from the rules in ``spec.rules`` and ``spec.fairness_rules`` and the prose in
-``docs/design.md`` and ``docs/fairness.md``, not from the code: it iterates naively (O(n^2) is
-fine), derives VTC's admission order from the counters and the requests' arrival numbers rather
-than the policy's heaps, and derives the resume-first candidates from the requests' states. It
-models ``FCFSPolicy``, ``RoundRobinPolicy`` and ``VTCPolicy`` exactly; for other policies the checker skips it.
-A bug shared by the reference and the code (a wrong ``spec/`` rule) is for the z3 proofs.
+``docs/design.md``, not from the code: it iterates naively (O(n^2) is fine), derives VTC's
+admission order from the counters and the requests' ``order_no`` rather than the policy's heaps,
+derives the resume-first candidates from the requests' states, and recounts every share from
+the request lists at each use. It models ``FCFSPolicy``, ``RoundRobinPolicy`` and ``VTCPolicy``
+exactly; for other policies the checker skips it. A bug shared by the reference and the code (a
+wrong ``spec/`` rule) is for the z3 proofs.
 """
 from __future__ import annotations
 
@@ -53,6 +60,8 @@ class Req:
     blocked: int = 0  # ticks as the blocked head
     charged: int = 0  # prompt tokens ever computed (charged once)
     started: bool = False  # has a first token
+    order: int = -1  # order_no: the place in the admission order (arrival, or a new one once requeued behind)
+    holder: bool = False  # admitted as the reservation holder while no request was protected
 
     @property
     def n(self) -> int:
@@ -73,6 +82,8 @@ class Cfg:
     resume_first: bool
     K: int
     eos: int
+    Q: int = fr.QUANTUM_TICKS  # quantum_ticks
+    W: int = fr.HOLD_TICKS  # hold_ticks
 
     @property
     def max_len(self) -> int:
@@ -83,7 +94,8 @@ class Cfg:
 class Snapshot:
     """The state before a tick. ``policy`` is ``"fcfs"``, ``"rr"`` or ``"vtc"``; ``queue`` the FCFS
     waiting order; ``turns`` round robin's users in turn order; ``counters`` (counter units, every
-    user with a counter) and ``floor`` VTC's."""
+    user with a counter), ``floor``, ``weights``, ``tol`` (counter units) and ``prices`` VTC's;
+    ``arrivals`` the arrival numbers handed out so far (VTC's requeued decodes take the next)."""
 
     cfg: Cfg
     free: int
@@ -101,9 +113,19 @@ class Snapshot:
     weights: dict[str, int] = field(default_factory=dict)
     tol: int = 0
     prices: tuple[int, int] = (1, 2)
+    arrivals: int = 0
+    protected: Any = None  # State.protected: the last request admitted as the protected holder, until it
+    # is preempted or leaves (it is protected while ``fairness_rules.protected`` holds)
 
     def weight(self, user: str) -> int:
         return self.weights.get(user, 1) if self.policy == "vtc" else 1
+
+    def counter(self, user: str) -> int:
+        return self.counters.get(user, 0)
+
+    def pressure(self, user: str, resident: int) -> int:
+        """``fairness_rules.pressure_units`` of ``user`` with ``resident`` requests resident (VTC only)."""
+        return fr.pressure_units(resident, self.weight(user), self.counter(user))
 
 
 @dataclass
@@ -122,41 +144,69 @@ def req_of(s: Any) -> Req:
     """A scheduler record (``batch.core.state.Seq``) as a ``Req``."""
     return Req(s, s.user_id, s.arrival_no, s.num_prompt_tokens, s.req.max_tokens, len(s.req.generated),
                s.num_computed_tokens, len(s.block_table), s.num_preemptions, s.state, s.pinned, s.admit_no,
-               s.admit_tick, s.blocked_ticks, s.prompt_charged_tokens, s.req.started_at is not None)
+               s.admit_tick, s.blocked_ticks, s.prompt_charged_tokens, s.req.started_at is not None, s.order_no,
+               s.holder)
 
 
-def _victim(snap: Snapshot, cands: list[Req], blocks: dict[Any, int]) -> Req:
-    """The policy's victim among ``cands``: FCFS and round robin the newest admission; VTC
-    ``victim_before``."""
+def is_protected(snap: Snapshot, r: Req) -> bool:
+    """``fairness_rules.protected`` at the snapshot's tick: the holder within the quantum of its admission."""
+    return bool(fr.protected(r.holder, r.admit_tick, snap.tick, snap.cfg.Q))
+
+
+def light_users(snap: Snapshot) -> set[str]:
+    """The light users (``fairness_rules.light_user``): demand = the user's resident plus waiting
+    requests, against all users' demand and the weights of the users with demand. A tick moves
+    requests between resident and waiting only, so the demand before the tick is the demand
+    throughout it."""
+    demand = Counter(r.user for r in [*snap.running, *snap.waiting])
+    total, total_w = sum(demand.values()), sum(snap.weight(u) for u in demand)
+    return {u for u, d in demand.items() if fr.light_user(d, snap.weight(u), total, total_w)}
+
+
+def victim(snap: Snapshot, cands: list[Req]) -> Req:
+    """The policy's victim among ``cands`` (non-empty): FCFS and round robin the newest
+    admission. VTC: count the candidates per user; when the highest and lowest pressure
+    (``pressure_units(count, weight, counter)``) among their users differ by one resident
+    request's worth (``victim_user_first``), keep only the highest-pressure user's candidates
+    (every user at the highest, on a tie); among those the request no other goes before in
+    ``victim_before``, light by ``within_share`` at 1/4 of all the candidates' blocks (held before
+    the tick)."""
     if snap.policy != "vtc":
         return max(cands, key=lambda r: r.admit_no)
+    count = Counter(r.user for r in cands)
     held: dict[str, int] = {}
     for r in cands:
-        held[r.user] = held.get(r.user, 0) + blocks[r.key]
+        held[r.user] = held.get(r.user, 0) + r.h
     total, total_w = sum(held.values()), sum(snap.weight(u) for u in held)
     light = {u for u, b in held.items() if fr.within_share(b, snap.weight(u), total, total_w, 1, 4)}
-    # victim_before is a strict order; the victim is the request no other goes before
-    for r in cands:
+    press = {u: snap.pressure(u, n) for u, n in count.items()}
+    top = max(press.values())
+    pool = [r for r in cands if press[r.user] == top] if fr.victim_user_first(top, min(press.values())) else cands
+    for r in pool:  # victim_before is a strict order: the victim is the request none goes before
         if not any(fr.victim_before(q.user in light, q.pre, q.nc, q.admit_no, r.user in light, r.pre, r.nc,
-                                    r.admit_no) for q in cands if q is not r):
+                                    r.admit_no) for q in pool if q is not r):
             return r
     raise AssertionError("victim_before is not a strict order on the candidates")
 
 
-def vtc_order(snap: Snapshot) -> list[Req]:
-    """VTC's admission order: repeatedly, among users with a waiting request whose local counter is
-    within the tolerance of the least, the user whose oldest waiting request arrived first; that
-    request goes next and its user's local counter is charged its uncharged prompt."""
+def vtc_order(snap: Snapshot, light: set[str]) -> list[Req]:
+    """VTC's admission order: every waiting request of a light user first, by ``order_no``; then,
+    repeatedly, among the other users with a waiting request whose local counter is within the
+    tolerance of the least of theirs, the user whose earliest waiting request (by ``order_no``)
+    comes first; that request goes next and its user's local counter is charged its uncharged
+    prompt."""
     pp, _ = snap.prices
+    by_order = sorted(snap.waiting, key=lambda r: r.order)
+    out = [r for r in by_order if r.user in light]
     queues: dict[str, list[Req]] = {}
-    for r in sorted(snap.waiting, key=lambda r: r.arrival):
-        queues.setdefault(r.user, []).append(r)
-    local = {u: snap.counters.get(u, 0) for u in queues}
-    out = []
+    for r in by_order:
+        if r.user not in light:
+            queues.setdefault(r.user, []).append(r)
+    local = {u: snap.counter(u) for u in queues}
     while queues:
         least = min(local[u] for u in queues)
         elig = [u for u in queues if fr.vtc_eligible(local[u], least, snap.tol)]
-        u = min(elig, key=lambda u: queues[u][0].arrival)
+        u = min(elig, key=lambda u: queues[u][0].order)
         r = queues[u].pop(0)
         out.append(r)
         local[u] = fr.charged_counter(local[u], pp * (r.P - r.charged), snap.weight(u))
@@ -182,35 +232,34 @@ def rr_order(snap: Snapshot) -> list[Req]:
     return [q[i] for i in range(max(map(len, qs), default=0)) for q in qs if i < len(q)]
 
 
-def _light(snap: Snapshot, user: str, total: int, total_w: int) -> bool:
-    demand = sum(1 for r in snap.running if r.user == user) + sum(1 for r in snap.waiting if r.user == user)
-    return bool(fr.within_share(demand, snap.weight(user), total, total_w, 1, 2))
-
-
 def reference_plan(snap: Snapshot) -> RefPlan:
     """The plan the rules give for ``snap`` (see the module docstring)."""
     c = snap.cfg
     free, budget = snap.free, c.budget
-    live = list(snap.running)
+    live = list(snap.running)  # resident and not preempted in this plan, in admission order
     grant: dict[Any, tuple[int, int]] = {}  # key -> (tokens, blocks), in grant order
     preempted: list[Req] = []
-    blocks = {r.key: r.h for r in live}
+    taken: list[Req] = []  # admitted in this plan
 
-    def preempt(v: Req) -> int:
-        nonlocal budget
+    def preemptible(r: Req) -> bool:
+        return not r.pinned and not is_protected(snap, r)
+
+    def preempt(v: Req) -> None:
+        nonlocal budget, free
         assert fr.may_preempt(v.pre, c.max_pre, v.admit_tick, snap.tick), f"victim {v.key} may not be preempted"
+        assert preemptible(v), f"victim {v.key} is pinned or protected"
         live.remove(v)
         preempted.append(v)
         k, b = grant.pop(v.key, (0, 0))
         budget += k
-        return v.h + b
+        free += v.h + b
 
     for s in snap.running:  # 1. the running requests, in admission order
         if s not in live or budget <= 0:
             continue
         need = rules.growth_blocks(s.h, s.n, c.B)
         while not rules.can_allocate(free, need):
-            free += preempt(_victim(snap, [q for q in live if not q.pinned], blocks))
+            preempt(victim(snap, [q for q in live if preemptible(q)]))
             if s not in live:
                 break
         if s in live:
@@ -219,27 +268,20 @@ def reference_plan(snap: Snapshot) -> RefPlan:
                 grant[s.key] = (k, need)
                 free -= need
                 budget -= k
-    stop, blocked, taken = ("preempted" if preempted else "empty"), None, []
+    light = light_users(snap) if c.isolation else set()  # without isolation no user is light (steps 2 and 3)
+    stop, blocked = ("preempted" if preempted else "empty"), None
     reserved = next((r for r in snap.waiting if r.key is snap.reserved), None)
+    holder = reserved if reserved is not None and not any(is_protected(snap, r) for r in snap.running) else None
     if not preempted:  # 2. admission
-        order = vtc_order(snap) if snap.policy == "vtc" else rr_order(snap) if snap.policy == "rr" else [
+        order = vtc_order(snap, light) if snap.policy == "vtc" else rr_order(snap) if snap.policy == "rr" else [
             next(r for r in snap.waiting if r.key is k) for k in snap.queue]
-        trials = ([r for r in sorted(snap.waiting, key=lambda r: r.arrival) if r.state == lc.PREEMPTED and r.g > 0]
-                  if c.resume_first and snap.policy == "vtc" and reserved is None else [])
-        cands = ([(reserved, False)] if reserved is not None else []) + [(r, True) for r in trials] + \
+        trials = sorted((r for r in snap.waiting if r.state == lc.PREEMPTED and r.g > 0), key=lambda r: r.order) \
+            if c.resume_first and snap.policy == "vtc" and holder is None else []
+        cands = ([(holder, False)] if holder is not None else []) + [(r, True) for r in trials] + \
             [(r, False) for r in order]
-        passing, seen, n_users = False, set(), len({r.user for r in snap.waiting})
         for q, trial in cands:
             if q in taken:
                 continue
-            if passing:  # past a blocked head that is not light: each light user's first request
-                if len(seen) >= n_users:
-                    break
-                if q.user in seen:
-                    continue
-                seen.add(q.user)
-                if not _joins_light(snap, q, live, taken):
-                    continue
             resident = len(live) + len(taken)
             if resident >= c.max_running:
                 stop = "max_running"
@@ -250,39 +292,33 @@ def reference_plan(snap: Snapshot) -> RefPlan:
             need = rules.blocks_needed(q.n, c.B)
             if fr.pinned(q.pre, c.max_pre):
                 need = max(need, fr.worst_case_blocks(q.P, q.M, c.max_len, c.B))
-            room = fr.growth_headroom_blocks(resident, c.B) if c.headroom and q is not reserved else 0
+            room = fr.growth_headroom_blocks(resident, c.B) if c.headroom and q is not holder else 0
             if not fr.can_admit(free, need, room):
                 if trial:
                     continue
-                if blocked is None:
-                    stop, blocked = "kv", q
-                victims = _room_victims(snap, q, need, free, live, taken, grant) if c.isolation else None
+                victims = room_victims(snap, q, q is holder, q.user in light, need, free, live, taken, grant)
                 if victims is None:
-                    if c.isolation and not passing and q is not reserved:
-                        passing = True
-                        seen.add(q.user)
+                    if q is holder:
                         continue
-                    break
+                    if blocked is None:
+                        stop, blocked = "kv", q
+                    if not fr.hold_elapsed(blocked.blocked, c.W):
+                        break
+                    continue
                 for v in victims:
-                    free += preempt(v)
+                    preempt(v)
                 stop = "room"
-                if blocked is q:
-                    blocked = None
             k = rules.chunk_tokens(q.n, 0, c.chunk, budget)
             grant[q.key] = (k, need)
             taken.append(q)
             free -= need
             budget -= k
-            if stop == "room":
-                break
     rows = [(key, k, b, i >= len(grant) - len(taken)) for i, (key, (k, b)) in enumerate(grant.items())]
     sat_out: list[Any] = []
     isolated = False
     if c.isolation and fr.sit_out_allowed(snap.streak, c.K) and len(rows) > 1:  # 3. isolation
-        users = [r.user for r in live] + [r.user for r in taken]
-        total, total_w = len(users), sum(snap.weight(u) for u in set(users))
         by_key = {r.key: r for r in [*snap.running, *snap.waiting]}
-        keep = [(by_key[key].g == 0 and _light(snap, by_key[key].user, total, total_w))
+        keep = [(by_key[key].g == 0 and by_key[key].user in light)
                 or (adm and reserved is not None and key is reserved.key) for key, _, _, adm in rows]
         if any(keep) and not all(keep):
             sat_out = [key for (key, _, _, adm), kept in zip(rows, keep) if not kept and not adm]
@@ -292,36 +328,64 @@ def reference_plan(snap: Snapshot) -> RefPlan:
                    isolated)
 
 
-def _joins_light(snap: Snapshot, q: Req, live: list[Req], taken: list[Req]) -> bool:
-    """``q``'s user is light with ``q`` admitted beside ``live`` and ``taken``."""
-    users = [r.user for r in live] + [r.user for r in taken] + [q.user]
-    return _light(snap, q.user, len(users), sum(snap.weight(u) for u in set(users)))
+def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, free: int, live: list[Req],
+                 taken: list[Req], grant: dict[Any, tuple[int, int]]) -> list[Req] | None:
+    """Room for ``q``, a candidate whose blocks plus headroom do not fit: victims in the policy's
+    victim order until its blocks fit without headroom, or ``None`` when even all the allowed
+    ones would not do. Allowed: requests admitted before this tick (``may_preempt``), neither
+    pinned nor protected, and of those, for the holder any; for a light user's request those of
+    users over their weighted share of the resident requests (``within_share`` at 1/1, with ``q``
+    counted admitted); for another request, when the policy keeps shares (VTC), those of other
+    users resident ``quantum_ticks`` (``quantum_elapsed``) whose users it ``may_take`` from, with
+    the resident counts as the victims are chosen (each pick is among those it may take from
+    then). ``light`` is false for every user without isolation."""
+    c = snap.cfg
+    base = [r for r in live if not r.pinned and not is_protected(snap, r)
+            and fr.may_preempt(r.pre, c.max_pre, r.admit_tick, snap.tick)]
+    resident = Counter(r.user for r in [*live, *taken])
 
+    def freed(v: Req) -> int:
+        return v.h + grant.get(v.key, (0, 0))[1]
 
-def _room_victims(snap: Snapshot, head: Req, need: int, free: int, live: list[Req], taken: list[Req],
-                  grant: dict[Any, tuple[int, int]]) -> list[Req] | None:
-    """Room for a light user's head: no headroom, then victims among users over their share."""
-    users = [r.user for r in live] + [r.user for r in taken] + [head.user]
-    total, total_w = len(users), sum(snap.weight(u) for u in set(users))
-    if not _light(snap, head.user, total, total_w):
+    if holder or light:
+        if holder:
+            cands = base
+        else:
+            users = resident + Counter([q.user])
+            total, total_w = sum(users.values()), sum(snap.weight(u) for u in users)
+            over = {u for u, n in users.items() if not fr.within_share(n, snap.weight(u), total, total_w, 1, 1)}
+            cands = [r for r in base if r.user in over]
+        if sum(freed(v) for v in cands) + free < need:
+            return None
+        victims: list[Req] = []
+        while not rules.can_allocate(free, need):
+            v = victim(snap, cands)
+            cands.remove(v)
+            victims.append(v)
+            free += freed(v)
+        return victims
+    if snap.policy != "vtc":  # FCFS and round robin keep no shares among resident requests
         return None
-    over = {u for u in set(users) if not fr.within_share(users.count(u), snap.weight(u), total, total_w, 1, 1)}
-    cands = [r for r in live if r.user in over and not r.pinned]
-    blocks = {r.key: r.h for r in live}
-    victims: list[Req] = []
-    while cands and not rules.can_allocate(free, need):
-        v = _victim(snap, cands, blocks)
+    cands = [r for r in base if r.user != q.user and fr.quantum_elapsed(r.admit_tick, snap.tick, c.Q)]
+    victims = []
+    while not rules.can_allocate(free, need):
+        mine = snap.pressure(q.user, resident[q.user] + 1)
+        cands = [r for r in cands if fr.may_take(mine, snap.pressure(r.user, resident[r.user] - 1))]
+        if not cands:
+            return None
+        v = victim(snap, cands)
         cands.remove(v)
         victims.append(v)
-        free += v.h + grant.get(v.key, (0, 0))[1]
-    return victims if rules.can_allocate(free, need) else None
+        resident[v.user] -= 1
+        free += freed(v)
+    return victims
 
 
 @dataclass
 class After:
     """The state a tick must leave: every request (by key), the FCFS queue, round robin's turns,
-    VTC's counters and floor, the reservation, the streak, and per producing request its token's
-    kind."""
+    VTC's counters and floor, the reservation, the protected holder, the streak, the admission
+    and arrival numbers handed out, and per producing request its token's kind."""
 
     reqs: dict[Any, Req]
     queue: list[Any]
@@ -329,8 +393,10 @@ class After:
     counters: dict[str, int]
     floor: int
     reserved: Any
+    protected: Any  # State.protected: the last request admitted as the protected holder, until it leaves
     streak: int
     admissions: int
+    arrivals: int
     first_token: list[Any]  # requests whose first token this tick gave
     produced: list[Any]  # requests whose token was kept
     finished: list[tuple[Any, str]]
@@ -341,13 +407,18 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
     c = snap.cfg
     reqs = {r.key: r for r in [*snap.running, *snap.waiting]}
     queue, turns = list(snap.queue), list(snap.turns)
-    counters, floor = dict(snap.counters), snap.floor
+    counters, floor, arrivals, protected = dict(snap.counters), snap.floor, snap.arrivals, snap.protected
     waiting_users = {r.user for r in snap.waiting}
     n_waiting = Counter(r.user for r in snap.waiting)  # requests waiting per user, as the tick goes
     active = {r.user for r in [*snap.running, *snap.waiting]}  # users with a live request
+    lift_tol = fr.LIFT_TOLERANCE_TOKENS * fr.COUNTER_SCALE
     for key in plan.preempted:  # requeued (lifted if its user had nothing waiting), before admissions leave
         r = reqs[key]
-        reqs[key] = replace(r, nc=0, h=0, pre=r.pre + 1, state=lc.PREEMPTED)
+        order = r.order
+        if snap.policy == "vtc" and r.g > 0:  # a preempted decode takes the next arrival number
+            order, arrivals = arrivals, arrivals + 1
+        reqs[key] = replace(r, nc=0, h=0, pre=r.pre + 1, state=lc.PREEMPTED, order=order)
+        protected = None if protected is key else protected
         queue.insert(0, key)
         n_waiting[r.user] += 1
         if r.user not in turns:  # round robin: a user with nothing waiting joins at the back
@@ -355,7 +426,7 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
         if snap.policy == "vtc" and r.user not in waiting_users:
             others = [counters.get(u, 0) for u in waiting_users] or \
                 [counters.get(u, 0) for u in active if u != r.user]
-            floor = fr.lift_floor(floor, min(others, default=0), bool(others), snap.tol)
+            floor = fr.lift_floor(floor, min(others, default=0), bool(others), lift_tol)
             counters[r.user] = fr.lifted_counter(counters.get(r.user, 0), floor)
         waiting_users.add(r.user)
     admissions, reserved = snap.admissions, snap.reserved
@@ -364,9 +435,14 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
     for (key, k, b, adm), tok in zip(plan.batch, tokens):
         r = reqs[key]
         if adm:
+            # the holder becomes the protected one when no request is protected at its admission
+            # (in batch order: a protected request that finished earlier in this batch is gone)
+            holder = key is snap.reserved and (protected is None or not is_protected(snap, reqs[protected]))
             r = replace(r, state=lc.PREFILLING, admit_no=admissions, admit_tick=snap.tick,
-                        pinned=bool(fr.pinned(r.pre, c.max_pre)), blocked=0)
+                        pinned=bool(fr.pinned(r.pre, c.max_pre)), blocked=0, holder=holder)
             admissions += 1
+            if holder:
+                protected = key
             if snap.policy == "fcfs":
                 queue.remove(key)
             n_waiting[r.user] -= 1
@@ -390,6 +466,7 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
             if why is not None:
                 r = replace(r, state=lc.DONE, h=0)
                 finished.append((key, why))
+                protected = None if protected is key else protected
             elif r.state == lc.PREFILLING:
                 r = replace(r, state=lc.DECODING)
         reqs[key] = r
@@ -408,5 +485,5 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
         b = reqs[plan.blocked] = replace(b, blocked=b.blocked + 1)
         if reserved is None and fr.reserved_after(b.blocked, c.aging):
             reserved = plan.blocked
-    return After(reqs, queue, turns, counters, floor, reserved, fr.next_streak(snap.streak, plan.isolated), admissions,
-                 first, produced, finished)
+    return After(reqs, queue, turns, counters, floor, reserved, protected, fr.next_streak(snap.streak, plan.isolated),
+                 admissions, arrivals, first, produced, finished)

@@ -122,10 +122,10 @@ class TraceValidator:
         B = c.block_tokens
         extra = [entry[s].new_blocks - rules.blocks_needed(reqs[i].n, B) if s in entry and entry[s].admitted else 0
                  for i, s in enumerate(slots)]
-        room = plan.admission_stop == "room"  # its preemptions made room for its last admission
-        choices = model.Choices(victim=victim, skip=[s in sat_out for s in slots], extra_blocks=extra,
-                                room=[i in preempted for i in range(len(slots))] if room else None,
-                                room_head=len(slots) - 1 if room else -1)
+        # admission runs only in a tick whose running step preempted nothing, so victims beside
+        # admissions made room for them (in the order they were preempted)
+        room = preempted if admitted and preempted else None
+        choices = model.Choices(victim=victim, skip=[s in sat_out for s in slots], extra_blocks=extra, room=room)
         cfg = model.Cfg(cap_blocks=c.kv_cap_blocks, block_tokens=B, chunk_tokens=c.prefill_chunk_tokens,
                         budget_tokens=c.token_budget_tokens, max_running=c.max_running)
         out = model.tick(reqs, before.free_blocks, cfg, choices)

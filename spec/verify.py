@@ -240,16 +240,17 @@ def register(name: str, prop: str) -> Callable[[Callable[[Options], Outcome]], C
 
 
 #: ``Scheduler`` keyword arguments (beyond the knobs) of the FCFS scheduler the bounded models
-#: describe: vLLM V1's rule exactly, without the defaults' pinning after ``max_preemptions``
-#: and aging reservation (their bounds are ``spec/verify_fairness.py``'s).
-FCFS_SOURCE = "policy=FCFSPolicy(), max_preemptions=None, aging_ticks=10**9"
+#: describe: vLLM V1's rule exactly, without the defaults' aging reservation and hold (a head that
+#: does not fit holds back every later request, as in vLLM V1: no admission past it; the
+#: reservation's and the hold's bounds are ``spec/verify_fairness.py``'s).
+FCFS_SOURCE = "policy=FCFSPolicy(), max_preemptions=None, aging_ticks=10**9, hold_ticks=10**9"
 
 
 def fcfs_kwargs() -> dict[str, Any]:
     """``FCFS_SOURCE`` as keyword arguments (a fresh policy each call)."""
     from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
 
-    return {"policy": FCFSPolicy(), "max_preemptions": None, "aging_ticks": 10**9}
+    return {"policy": FCFSPolicy(), "max_preemptions": None, "aging_ticks": 10**9, "hold_ticks": 10**9}
 
 
 class EosBackend:
