@@ -165,7 +165,7 @@ def _admission(d: _Draft, st: State, policy: Policy, cfg: Config) -> tuple[Seq |
         if not fr.can_admit(d.free, cost, room):
             if trial:
                 continue
-            victims = _room(d, policy, cfg, s, cost, light, s is holder)
+            victims = _room(d, policy, cfg, s, need, light, s is holder)
             if victims is None:
                 if s is holder:
                     continue
@@ -213,8 +213,15 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
     victim order, or ``None``. The reservation holder: any resident request that may be preempted.
     A light user's request: requests of users over their weighted share of the resident requests
     as if ``head`` joined. Another request, when the policy keeps shares (``Policy.pressure``):
-    requests resident ``quantum_ticks`` iterations of users it ``may_take`` from."""
+    requests resident ``quantum_ticks`` iterations of users it ``may_take`` from. With prefix
+    caching the free blocks ``head`` takes are counted with the victims chosen so far: a cached
+    block it hits that only a victim held is freed by the victim and taken again by the hit."""
     st = d.st
+
+    def cost(victims: list[Seq]) -> int:
+        if not cfg.prefix_caching:
+            return need
+        return planned_hits(st.pool, head, need, [*d.preempted, *victims], d.cached)[1]
     cands = [q for q in d.candidates() if q.admit_tick < st.tick_no]
     u = head.user_id
     if holder:
@@ -232,7 +239,7 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
         cands = [q for q in cands if q.user_id != u and fr.quantum_elapsed(q.admit_tick, st.tick_no, cfg.quantum_ticks)]
         victims: list[Seq] = []
         free = d.free
-        while not rules.can_allocate(free, need):
+        while not rules.can_allocate(free, cost(victims)):
             cands = [q for q in cands if fr.may_take(mine, policy.pressure(q.user_id, count[q.user_id] - 1))]
             if not cands:
                 return None
@@ -244,12 +251,12 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
         return victims
     victims = []
     free = d.free
-    while cands and not rules.can_allocate(free, need):
+    while cands and not rules.can_allocate(free, cost(victims)):
         v = policy.victim(cands)
         cands.remove(v)
         victims.append(v)
         free += d.gain(v)
-    return victims if rules.can_allocate(free, need) else None
+    return victims if rules.can_allocate(free, cost(victims)) else None
 
 
 def _isolate(d: _Draft, st: State, policy: Policy, cfg: Config, blocked: Seq | None, stop: str) -> Plan:
