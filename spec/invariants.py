@@ -434,7 +434,10 @@ class InvariantChecker:
         if self._snap is None:
             self.skipped += 1
         else:
-            self._ref = reference.reference_plan(self._snap)
+            try:
+                self._ref = reference.reference_plan(self._snap)
+            except reference.NoVictim as e:
+                raise InvariantViolation("reference_plan", str(e), _summary(sched, self.ticks)) from e
 
     def before_commit(self, sched: Any, plan: Any) -> None:
         """After ``schedule()``, before its blocks are committed: ``plan_within_free`` and the

@@ -163,6 +163,11 @@ def light_users(snap: Snapshot) -> set[str]:
     return {u for u, d in demand.items() if fr.light_user(d, snap.weight(u), total, total_w)}
 
 
+class NoVictim(AssertionError):
+    """The rules ask for a victim and leave none: every resident request is pinned or protected
+    (``docs/design.md`` step 1 says growth always finds one; with pinning it may not)."""
+
+
 def victim(snap: Snapshot, cands: list[Req]) -> Req:
     """The policy's victim among ``cands`` (non-empty): FCFS and round robin the newest
     admission. VTC: count the candidates per user; when the highest and lowest pressure
@@ -171,6 +176,8 @@ def victim(snap: Snapshot, cands: list[Req]) -> Req:
     (every user at the highest, on a tie); among those the request no other goes before in
     ``victim_before``, light by ``within_share`` at 1/4 of all the candidates' blocks (held before
     the tick)."""
+    if not cands:
+        raise NoVictim("the rules need a victim and every resident request is pinned or protected")
     if snap.policy != "vtc":
         return max(cands, key=lambda r: r.admit_no)
     count = Counter(r.user for r in cands)
