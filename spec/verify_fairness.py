@@ -141,20 +141,23 @@ def _gap_step_proof(weights: tuple[int, int], cap_of: Any, g_of: Any, timeout_s:
 def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
     """A third user ``n`` becomes backlogged beside backlogged ``p`` and ``q`` (equal weights),
     with the lift floor at or below every backlogged counter: after the lift (``lift_floor``,
-    ``lifted_counter``), ``J(p, n)`` and ``J(q, n)`` hold with ``G + tol + 1`` (the newcomer starts
-    up to the tolerance and one unit below the least counter), ``J(n, .)`` holds with ``G`` when
-    the lift raised ``n``, and the floor stays at or below every backlogged counter."""
+    ``lifted_counter``) with any lift tolerance ``0 <= t <= T`` (``VTCPolicy``'s is
+    ``LIFT_TOLERANCE_TOKENS`` = 0; before issue 38 it was the band ``T``), ``J(p, n)`` and
+    ``J(q, n)`` hold with ``G + t + 1`` (the newcomer starts up to ``t`` and one unit below the
+    least counter), ``J(n, .)`` holds with ``G`` when the lift raised ``n``, and the floor stays at
+    or below every backlogged counter."""
     z3 = _z3()
-    cp, cq, cn, rp, rq, rn, cap, g, tol, floor = z3.Ints(
-        "counter_p counter_q counter_n R_p R_q R_n max_resident_units G tolerance floor")
+    cp, cq, cn, rp, rq, rn, cap, g, tol, lift_tol, floor = z3.Ints(
+        "counter_p counter_q counter_n R_p R_q R_n max_resident_units G tolerance lift_tolerance floor")
     unit = fr.COUNTER_SCALE
     U = cap * unit
-    floor1 = fr.lift_floor(floor, Min(cp, cq), True, tol)
+    floor1 = fr.lift_floor(floor, Min(cp, cq), True, lift_tol)
     lifted = fr.lifted_counter(cn, floor1)
-    pre = [cap >= 0, tol >= 0, g >= 2 * U + tol, *(And(0 <= r, r <= U) for r in (rp, rq, rn)),
+    pre = [cap >= 0, tol >= 0, 0 <= lift_tol, lift_tol <= tol, g >= 2 * U + tol,
+           *(And(0 <= r, r <= U) for r in (rp, rq, rn)),
            cp + rp - cq <= g, cq + rq - cp <= g, floor <= cp, floor <= cq]
-    goals = [("J(p,n) after the lift", cp + rp - lifted <= g + tol + 1),
-             ("J(q,n) after the lift", cq + rq - lifted <= g + tol + 1),
+    goals = [("J(p,n) after the lift", cp + rp - lifted <= g + lift_tol + 1),
+             ("J(q,n) after the lift", cq + rq - lifted <= g + lift_tol + 1),
              ("J(n,p), J(n,q) when the lift raised n",
               Implies(cn < floor1, And(lifted + rn - cp <= g, lifted + rn - cq <= g))),
              ("the floor stays at or below every backlogged counter",
@@ -165,7 +168,8 @@ def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
         return status, StateCounterexample("lift of a third user n beside backlogged p, q", bad, {
             "counters p, q, n": (_val(m, cp), _val(m, cq), _val(m, cn)),
             "R p, q, n": (_val(m, rp), _val(m, rq), _val(m, rn)), "floor": _val(m, floor),
-            "G": _val(m, g), "tolerance": _val(m, tol), "n after the lift": _val(m, lifted)})
+            "G": _val(m, g), "tolerance": _val(m, tol), "lift tolerance": _val(m, lift_tol),
+            "n after the lift": _val(m, lifted)})
     return status, info
 
 
@@ -176,7 +180,8 @@ def _lift_establishes(timeout_s: float) -> tuple[str, Any]:
           "of the least counter (vtc_eligible, with the tick's advance prompt charges), charge per iteration "
           "(charged_counter, service_units), preemption (growth, or room for a light user's admission in the same tick); "
           "hence c_p - c_q <= U_p + U_q + T (docs/fairness.md section 5); a newcomer lifted to the floor "
-          "(lift_floor, lifted_counter) starts within G + T + 1 of the others and the floor stays below them")
+          "(lift_floor, lifted_counter) with a lift tolerance t <= T (VTCPolicy: LIFT_TOLERANCE_TOKENS = 0) starts "
+          "within G + t + 1 of the others and the floor stays below them")
 def check_vtc_counter_gap(opts: Options) -> Outcome:
     """Inductive step per step kind, per weight pair in ``GAP_WEIGHTS``; symbolic service per step."""
     bound = (f"unbounded (any counters, any service per iteration up to what is resident, any resident cap "
@@ -222,9 +227,10 @@ def check_vtc_counter_gap(opts: Options) -> Outcome:
 
 @register("vtc_lift",
           "with the floor at or below every backlogged counter and >= 0: after a lift (lift_floor, lifted_counter) "
-          "the newcomer is >= the least other backlogged counter - T - 1 (idle time banks at most T and one unit), "
-          ">= its own (never decreases), <= max(own, least) (no penalty beyond the least counter), <= max(own, floor, "
-          "least - T - 1) (it starts below the band, not queued inside it, unless already higher), and the floor "
+          "the newcomer is >= the least other backlogged counter - T - 1 (idle time banks at most T and one unit; T "
+          "the lift's tolerance, VTCPolicy's LIFT_TOLERANCE_TOKENS = 0), >= its own (never decreases), <= max(own, "
+          "least) (no penalty beyond the least counter), <= max(own, floor, least - T - 1) (it starts T and a unit "
+          "below the least counter unless already higher), and the floor "
           "never decreases and stays at or below every backlogged counter; alone: max(own, floor); an idle user at "
           "or below the floor (forgettable) returns to the same counter as one read as 0 (forgetting is exact); "
           "once no user is active, idle_floor makes every counter forgettable")
