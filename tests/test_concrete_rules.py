@@ -65,3 +65,46 @@ def test_a_rule_whose_callee_was_replaced_runs_in_its_source_form(monkeypatch):
     f = concrete.fast(rules.growth_blocks)
     assert f is rules.growth_blocks and f(0, 100, 16) == 0  # the replacement is seen
     assert concrete.fast(rules.decode_ready) is COMPILED[rules.decode_ready]  # calls no rule
+
+
+S = fairness_rules.COUNTER_SCALE
+P = fairness_rules.PRESSURE_TOKENS * S  # one resident request's worth of pressure at weight 1
+
+#: Issue 38's rules at their edges, each way: ``(rule, args where it holds, args where it does not)``
+#: (a Bool rule) or ``(rule, args, value)`` (an Int rule), checked on the source and on its compiled form.
+FAIR_WHILE_RUNNING = [
+    # light: demand within half the weighted share of all demand (3 users of weight 1, 12 requests)
+    (fairness_rules.light_user, (2, 1, 12, 3), (3, 1, 12, 3)),
+    # weight 2 of total weight 4: half its share of 12 is 3
+    (fairness_rules.light_user, (3, 2, 12, 4), (4, 2, 12, 4)),
+    # victims from the highest-pressure user only from one resident request's worth up
+    (fairness_rules.victim_user_first, (P + 5, 5), (P + 4, 5)),
+    # the taker's pressure after may equal the victim's after, not exceed it
+    (fairness_rules.may_take, (7, 7), (8, 7)),
+    # resident Q iterations: may give room; one fewer: not yet
+    (fairness_rules.quantum_elapsed, (10, 138, 128), (10, 137, 128)),
+    # protected: the holder within Q of its admission, never a non-holder
+    (fairness_rules.protected, (True, 10, 137, 128), (True, 10, 138, 128)),
+    (fairness_rules.protected, (True, 10, 10, 128), (False, 10, 10, 128)),
+    # requests behind a blocked head pass it once it has been blocked W iterations
+    (fairness_rules.hold_elapsed, (8, 8), (7, 8)),
+]
+
+PRESSURE_VALUES = [  # (resident, weight, counter) -> resident * S / weight + counter, counter units
+    ((0, 1, 5), 5),
+    ((2, 1, 0), 2 * P),
+    ((3, 2, 7), 3 * P // 2 + 7),
+    ((1, 3, 0), -(-P // 3)),  # rounds up
+]
+
+
+@pytest.mark.parametrize("rule, holds, fails", FAIR_WHILE_RUNNING, ids=lambda x: getattr(x, "__name__", ""))
+def test_fair_while_running_rules_at_their_edges(rule, holds, fails):
+    for form in (rule, COMPILED[rule]):
+        assert form(*holds) and not form(*fails), (rule.__name__, holds, fails)
+
+
+@pytest.mark.parametrize("args, want", PRESSURE_VALUES)
+def test_pressure_units_counts_resident_requests_per_weight_plus_the_counter(args, want):
+    assert fairness_rules.pressure_units(*args) == COMPILED[fairness_rules.pressure_units](*args) == want
+
