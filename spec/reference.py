@@ -174,21 +174,21 @@ def victim(snap: Snapshot, cands: list[Req]) -> Req:
     (``pressure_units(count, weight, counter)``) among their users differ by one resident
     request's worth (``victim_user_first``), keep only the highest-pressure user's candidates
     (every user at the highest, on a tie); among those the request no other goes before in
-    ``victim_before``, light by ``within_share`` at 1/4 of all the candidates' blocks (held before
-    the tick)."""
+    ``victim_before``, light by ``within_share`` at 1/4 of the blocks those remaining candidates
+    hold (before the tick)."""
     if not cands:
         raise NoVictim("the rules need a victim and every resident request is pinned or protected")
     if snap.policy != "vtc":
         return max(cands, key=lambda r: r.admit_no)
     count = Counter(r.user for r in cands)
-    held: dict[str, int] = {}
-    for r in cands:
-        held[r.user] = held.get(r.user, 0) + r.h
-    total, total_w = sum(held.values()), sum(snap.weight(u) for u in held)
-    light = {u for u, b in held.items() if fr.within_share(b, snap.weight(u), total, total_w, 1, 4)}
     press = {u: snap.pressure(u, n) for u, n in count.items()}
     top = max(press.values())
     pool = [r for r in cands if press[r.user] == top] if fr.victim_user_first(top, min(press.values())) else cands
+    held: dict[str, int] = {}
+    for r in pool:
+        held[r.user] = held.get(r.user, 0) + r.h
+    total, total_w = sum(held.values()), sum(snap.weight(u) for u in held)
+    light = {u for u, b in held.items() if fr.within_share(b, snap.weight(u), total, total_w, 1, 4)}
     for r in pool:  # victim_before is a strict order: the victim is the request none goes before
         if not any(fr.victim_before(q.user in light, q.pre, q.nc, q.admit_no, r.user in light, r.pre, r.nc,
                                     r.admit_no) for q in pool if q is not r):
