@@ -124,6 +124,7 @@ class NoLift(VTCPolicy):
     """VTC without the counter lift (plain least-counter-first): idle time banks credit."""
 
     def lift(self, user):  # the returning user keeps its old (low) counter, the floor stays
+        self._counter.setdefault(user, 0)  # a new user starts at 0 (an active user has a counter)
         self._active.add(user)
 
 
