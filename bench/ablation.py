@@ -24,16 +24,31 @@ headroom        ``admission_headroom=False``                  preemptions and th
 resume-first    ``resume_first=False``                        TPOT p99 under KV pressure (and over 8
                                                               seeds of the long requests)
 victim          ``NewestVictimVTC()``: VTC with vLLM's        light users' requests preempted and
-                victim, the newest admission (no light-user   their TTFT p99 in a flood; B's requests
-                shield, no fewest-preemptions / fewest-       preempted on the A/B burst; preemptions,
-                computed-tokens order)                        throughput, TTFT p99 under KV pressure
+                victim, the newest admission (no pressure,    their TTFT p99 in a flood; B's requests
+                no light-user shield, no fewest-preemptions   preempted on the A/B burst; preemptions,
+                / fewest-computed-tokens order)               throughput, TTFT p99 under KV pressure
 aging           ``aging_ticks=10**9`` (never comes due)       longest admission wait (ticks) of the
                                                               largest prompts, and of any request in
                                                               random small-cache cases
-preemption-cap  ``max_preemptions=None``                      most preemptions of one request, on the
-                                                              workloads and in random tiny-cache cases
-tolerance       ``VTCPolicy(tolerance_tokens=T)``, T in 512,  a trade-off curve, not a switch: TTFT
-                2048, 8192, 32768 (the default is T = 0)      p99 on the three balanced anchors beside
+preemption-cap  ``max_preemptions=4``: the cap switched ON    most preemptions of one request, on the
+(no cap)        (the default pins nothing; the protected      workloads and in random tiny-cache cases;
+                reservation holder bounds waits instead)      the longest waits
+pressure-       ``NoPressureVictimVTC()``: VTC's victim       the second user's token share when the
+victim          without ``victim_user_first`` (the user of    attacker comes first; the weighted
+                highest pressure first)                       overload's shares; preemptions
+room            ``NoRoomVTC()``: ``Policy.pressure`` is       the attacker-first share; a 2-token
+                ``None`` to admission (no room for another    request's iterations to its first token
+                user's request by pressure)                   beside long streams; preemptions
+quantum         ``quantum_ticks=1``                           preemptions and recomputed work in the
+                                                              attacker-first loop; its share
+hold            ``hold_ticks=0``: requests that fit pass a    longest waits of the largest prompts;
+                blocked head at once                          throughput, TTFT p99
+requeue-behind  ``FrontRequeueVTC()``: a preempted decode     TTFT p99 and TPOT p99 under KV pressure;
+                keeps its arrival place                       preemptions
+light-first     ``NoLightFirstVTC()``: the order ignores      light users' TTFT in a flood and beside
+                light users                                   long streams; B's ratio on the A/B burst
+tolerance       ``VTCPolicy(tolerance_tokens=T)``, T in 0,    a trade-off curve, not a switch: TTFT
+                512, 2048, 32768 (the default is T = 8192)    p99 on the three balanced anchors beside
                                                               vLLM's; the weight-2 user's share on the
                                                               weighted overload (exact 2.00)
 ==============  ===========================================  ========================================
@@ -115,10 +130,65 @@ VLLM_TTFT_P99_QUOTED = {"poisson_n300_r30_seed0.csv": 9.356, "trace200_poisson20
 
 class NewestVictimVTC(VTCPolicy):
     """``VTCPolicy`` with vLLM's victim rule, the most recently admitted request (``Policy.victim``):
-    the ablation's victim row switched off (no light-user shield, no fewest-preemptions or
-    fewest-computed-tokens order). Everything else is VTC's."""
+    the ablation's victim row switched off (no user of highest pressure first, no light-user
+    shield, no fewest-preemptions or fewest-computed-tokens order). Everything else is VTC's."""
 
     victim = Policy.victim
+
+
+class NoPressureVictimVTC(VTCPolicy):
+    """``VTCPolicy`` whose victim ignores pressure: ``spec.fairness_rules.victim_before`` alone
+    (light users' requests last, then fewest preemptions, fewest computed tokens, newest
+    admission), never first restricted to the user of highest ``pressure_units``
+    (``victim_user_first``). The pressure row switched off; room by pressure is unchanged."""
+
+    def victim(self, candidates: Sequence[Any]) -> Any:
+        blocks: dict[str, int] = {}
+        for s in candidates:
+            blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
+        total, total_w = sum(blocks.values()), sum(self.weight(u) for u in blocks)
+        light = {u for u, b in blocks.items() if fr.within_share(b, self.weight(u), total, total_w, 1, 4)}
+        best = candidates[0]
+        for s in candidates[1:]:
+            if fr.victim_before(s.user_id in light, s.num_preemptions, s.num_computed_tokens, s.admit_no,
+                                best.user_id in light, best.num_preemptions, best.num_computed_tokens, best.admit_no):
+                best = s
+        return best
+
+
+class NoRoomVTC(VTCPolicy):
+    """``VTCPolicy`` that keeps no shares among resident requests for admission: ``pressure`` is
+    ``None`` (``Policy.pressure``), so a waiting request that is neither a light user's nor the
+    reservation holder's gets no room (``step._room``); its own victim rule still ranks users by
+    pressure. The room row switched off."""
+
+    _in_victim = False
+
+    def pressure(self, user_id: str, resident_requests: int) -> int | None:
+        return super().pressure(user_id, resident_requests) if self._in_victim else None
+
+    def victim(self, candidates: Sequence[Any]) -> Any:
+        self._in_victim = True
+        try:
+            return super().victim(candidates)
+        finally:
+            self._in_victim = False
+
+
+class FrontRequeueVTC(VTCPolicy):
+    """``VTCPolicy`` whose preempted decodes keep their arrival place (``order_no`` unchanged,
+    ``requeue_behind = False``). The requeue-behind row switched off."""
+
+    requeue_behind = False
+
+
+class NoLightFirstVTC(VTCPolicy):
+    """``VTCPolicy`` whose admission order ignores light users (``order(light)`` as ``order()``):
+    light users' requests take their place in the band like anyone's. Room and isolation still
+    favour them. The light-first row switched off."""
+
+    def order(self, light: Callable[[str], bool] | None = None) -> Any:
+        return super().order()
 
 
 @dataclass(frozen=True)
@@ -165,8 +235,22 @@ MECHANISMS: tuple[Variant, ...] = (
             "light users' requests kept under KV pressure; the least recompute lost", _vtc(NewestVictimVTC)),
     Variant("aging", "aging with a reservation", "aging_ticks=10**9",
             "a bounded wait for a request that does not fit", _vtc(aging_ticks=NEVER_TICKS)),
-    Variant("preemption-cap", "preemption cap", "max_preemptions=None",
-            "bounded preemptions of one request", _vtc(max_preemptions=None)),
+    Variant("preemption-cap", "no preemption cap (the protected holder instead)",
+            "max_preemptions=4: the cap switched on, pinning after 4",
+            "waits bounded without pinning requests to their worst case", _vtc(max_preemptions=4)),
+    Variant("pressure-victim", "victim from the user of highest pressure",
+            "NoPressureVictimVTC(): victim_before alone",
+            "resident requests shared by weight: victims from the user holding most", _vtc(NoPressureVictimVTC)),
+    Variant("room", "room by pressure after the quantum", "NoRoomVTC(): no room by pressure",
+            "a user under its share gets slots and blocks from one over it", _vtc(NoRoomVTC)),
+    Variant("quantum", "quantum (anti-thrash)", "quantum_ticks=1",
+            "few preemptions for room; the reservation holder's protection", _vtc(quantum_ticks=1)),
+    Variant("hold", "hold behind a blocked head", "hold_ticks=0: pass it at once",
+            "the blocked head's wait before its reservation", _vtc(hold_ticks=0)),
+    Variant("requeue-behind", "preempted decodes requeued behind", "FrontRequeueVTC(): keep the arrival place",
+            "a preempted decode waits behind arrivals (resume-first still tries it)", _vtc(FrontRequeueVTC)),
+    Variant("light-first", "light users first in the order", "NoLightFirstVTC(): order ignores light",
+            "light users' TTFT beside heavy ones", _vtc(NoLightFirstVTC)),
 )
 VARIANTS = {v.key: v for v in (DEFAULT, FCFS, *MECHANISMS)}
 #: The tolerance row's key (a curve over ``Config.tolerances``, not a mechanism switched off).
@@ -191,7 +275,7 @@ class Config:
     workloads: tuple[str, ...] = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
     anchors: tuple[str, ...] = vc.ORDER  # the four anchor traces (vllm_compare.run_batch)
     balanced: tuple[str, ...] = vc.ORDER[:3]  # the balanced anchors of the tolerance curve
-    tolerances: tuple[int, ...] = (0, 512, 2048, 8192, 32768)
+    tolerances: tuple[int, ...] = (0, 512, 2048, fr.TOLERANCE_TOKENS, 32768)
     long_seeds: int = 8  # workloads.long_requests seeds (resume-first, aging)
     overload_per_user: int = 400
     flood: int = 1000
@@ -199,6 +283,10 @@ class Config:
     wait_cases: int = 100
     longs_seeds: int = 2
     longs_shorts: int = 3000
+    attack_streams: int = 64  # bench_fairness.attacker_first: streams per user
+    attack_horizon_s: float = 62.0  # its windows: from 7 s to the horizon
+    probe_streams: int = 100  # bench_fairness.long_streams_probe: long streams
+    probe_ticks: tuple[int, ...] = (300, 1000, 2000, 3000, 4000)
     quick_workloads: bool = False  # the workloads from workloads.QUICK_WORKLOADS
 
     @classmethod
@@ -209,8 +297,9 @@ class Config:
     def quick(cls) -> "Config":
         """One seed, the small workloads, one short anchor trace: what the test runs."""
         return cls(seeds=1, workloads=("long-kv",), anchors=(vc.AB_TRACE,), balanced=(vc.AB_TRACE,),
-                   tolerances=(0, 2048), long_seeds=1, overload_per_user=40, flood=100, cap_cases=3, wait_cases=3,
-                   longs_seeds=1, longs_shorts=100, quick_workloads=True)
+                   tolerances=(2048, fr.TOLERANCE_TOKENS), long_seeds=1, overload_per_user=40, flood=100, cap_cases=3,
+                   wait_cases=3, longs_seeds=1, longs_shorts=100, attack_streams=8, attack_horizon_s=24.0,
+                   probe_streams=20, probe_ticks=(300, 600), quick_workloads=True)
 
 
 # ----------------------------------------------------------------------------- a recording scheduler
@@ -219,7 +308,8 @@ class Config:
 class _Recorder(Scheduler):
     """``Scheduler`` that records, per request, its preemptions and the ticks from submit to
     first admission; per user, its requests' preemptions; and counts the ticks in which the
-    aging reservation is held and the isolated iterations."""
+    aging reservation is held, the isolated iterations and the tokens preempted requests had
+    computed (``recomputed_tokens``: work lost to recompute)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -232,6 +322,7 @@ class _Recorder(Scheduler):
         self.reserved_ticks = 0
         self.isolated_ticks = 0
         self.plan_tokens = 0  # the last plan's batched tokens (the token-driven clock reads it)
+        self.recomputed_tokens = 0
 
     def submit(self, request: Request) -> None:
         super().submit(request)
@@ -250,6 +341,7 @@ class _Recorder(Scheduler):
         for q in plan.preempted:
             self.preempted[q.request_id] += 1
             self.preempted_by_user[q.user_id] += 1
+            self.recomputed_tokens += q.num_computed_tokens
         out = super().update_from_output(plan, tokens, **kw)
         self.reserved_ticks += self.state.reserved is not None
         self.isolated_ticks += plan.isolated
@@ -494,6 +586,34 @@ class Lab:
             return {"max_preemptions_one_request": most, "cases_over_4": over, "preemptions": total,
                     "makespan_s": span}
         return self._get(("cap_cases", v.key), go)
+
+    # --- issue 38's closed loops (bench_fairness): the attacker first, one user's long streams
+    def attack(self, v: Variant) -> dict:
+        """``attacker_first``: the second user's least and mean share of the 15-s windows, then
+        the same at weights 2 : 1 for it (keys ``w_...``; its exact share 2/3); preemptions, the
+        tokens preempted requests had computed (recomputed later), output tok/s."""
+        def go() -> dict:
+            cfg = self.cfg
+            out = {}
+            for tag, w in (("", None), ("w_", {"A": 2})):
+                run = bf.attacker_first(v.factory(w, _Recorder), n_streams=cfg.attack_streams,
+                                        horizon_s=cfg.attack_horizon_s)
+                s: _Recorder = run.scheduler
+                m = s.metrics()
+                out.update({f"{tag}min_share": min(run.shares), f"{tag}mean_share": _mean(run.shares),
+                            f"{tag}preemptions": m["preemptions"], f"{tag}recomputed_tokens": s.recomputed_tokens,
+                            f"{tag}throughput_tok_s": sum(map(len, run.token_s.values())) / cfg.attack_horizon_s})
+            return out
+        return self._get(("attack", v.key), go)
+
+    def probe(self, v: Variant) -> dict:
+        """``long_streams_probe``: the most iterations a 2-token request waited for its first token."""
+        def go() -> dict:
+            probes = bf.long_streams_probe(v.factory(None), n_streams=self.cfg.probe_streams,
+                                           probe_ticks=self.cfg.probe_ticks)
+            return {"max_to_first_token": max(p.to_first_token for p in probes),
+                    "mean_to_first_token": _mean([p.to_first_token for p in probes])}
+        return self._get(("probe", v.key), go)
 
     # --- random small-cache cases with large prompts among small ones (aging)
     def wait_cases(self, v: Variant) -> dict:
@@ -753,6 +873,66 @@ def row_figures(lab: Lab, v: Variant) -> list[Figure]:
              "{:.0f}")
         trio("  preemptions, all cases", lambda x: lab.cap_cases(x)["preemptions"], "{:.0f}")
         trio("  makespan, all cases, s", lambda x: lab.cap_cases(x)["makespan_s"], "{:.1f}")
+        trio(f"{cfg.wait_cases} random small-cache cases: longest wait of any request, ticks",
+             lambda x: lab.wait_cases(x)["max_wait_ticks"], "{:,.0f}")
+        workload_trio("largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks",
+                      ("mooncake-conv", "azure-conv", "long-kv"), "{:,.0f}")
+        workload_trio("throughput_tok_s", "output tok/s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
+    elif v.key in ("pressure-victim", "room", "quantum"):
+        att = f"attacker first ({cfg.attack_streams} streams each)"
+        trio(f"{att}: second user's least 15-s window share", lambda x: lab.attack(x)["min_share"], "{:.3f}")
+        trio(f"{att}: second user's mean window share", lambda x: lab.attack(x)["mean_share"], "{:.3f}")
+        trio(f"{att}, weights 2 : 1 for it: its least window share (exact 0.667)",
+             lambda x: lab.attack(x)["w_min_share"], "{:.3f}")
+        trio(f"{att}: preemptions", lambda x: lab.attack(x)["preemptions"], "{:.0f}")
+        trio(f"{att}: tokens computed by preempted requests (recomputed)",
+             lambda x: lab.attack(x)["recomputed_tokens"], "{:,.0f}")
+        trio(f"{att}: output tok/s", lambda x: lab.attack(x)["throughput_tok_s"], "{:.1f}")
+        if v.key == "pressure-victim":
+            trio(f"overload (4 users x {cfg.overload_per_user}): Jain's index while all backlogged",
+                 lambda x: lab.overload(x)["jain"], "{:.3f}")
+            trio("overload, weights 2 : 1 : 1 : 1: share of the weight-2 user over the others' mean (exact 2.00)",
+                 lambda x: lab.overload(x)["weighted_share"])
+        if v.key == "room":
+            trio(f"{cfg.probe_streams} long streams of one user: another's 2-token request, most iterations "
+                 "to its first token", lambda x: lab.probe(x)["max_to_first_token"], "{:.0f}")
+        if v.key == "quantum":
+            trio(f"{cfg.wait_cases} random small-cache cases: longest wait of any request, ticks",
+                 lambda x: lab.wait_cases(x)["max_wait_ticks"], "{:,.0f}")
+        workload_trio("preemptions", "preemptions", ("stream-saturating", "long-kv", "azure-conv", "mooncake-conv"),
+                      "{:.0f}")
+        anchor_trio("preemptions", "preemptions", "{:.0f}")
+        anchor_trio("ttft_p99_s", "TTFT p99, s", "{:.2f}")
+        anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
+    elif v.key == "hold":
+        workload_trio("largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks",
+                      ("mooncake-conv", "azure-conv", "long-kv"), "{:,.0f}")
+        seeded("largest_prompts_max_wait_ticks", "longest wait of the 5% largest prompts, ticks", "{:,.0f}")
+        trio(f"{cfg.wait_cases} random small-cache cases: longest wait of any request, ticks",
+             lambda x: lab.wait_cases(x)["max_wait_ticks"], "{:,.0f}")
+        trio(f"long prompts amid a 60/s stream ({cfg.longs_seeds} seeds): their longest wait, ticks",
+             lambda x: lab.longs(x)["long_max_wait_ticks"], "{:,.0f}")
+        workload_trio("ttft_p99_s", "TTFT p99, s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
+        anchor_trio("ttft_p99_s", "TTFT p99, s", "{:.2f}")
+        workload_trio("throughput_tok_s", "output tok/s", ("long-kv", "azure-conv", "mooncake-conv"), "{:.1f}")
+        anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
+    elif v.key == "requeue-behind":
+        workload_trio("ttft_p99_s", "TTFT p99, s", ("stream-saturating", "long-kv", "azure-conv", "mooncake-conv"),
+                      "{:.1f}")
+        anchor_trio("ttft_p99_s", "TTFT p99, s", "{:.2f}")
+        workload_trio("tpot_p99_s", "TPOT p99, ms", ("long-kv", "azure-conv", "mooncake-conv"), "{:.0f}", 1e3)
+        seeded("tpot_p99_s", "TPOT p99, ms", "{:.1f}", 1e3)
+        workload_trio("preemptions", "preemptions", ("long-kv", "azure-conv", "mooncake-conv"), "{:.0f}")
+        anchor_trio("preemptions", "preemptions", "{:.0f}")
+    elif v.key == "light-first":
+        trio(f"flood ({cfg.flood} requests of A): light users' TTFT p99, ms",
+             lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
+        trio(f"{ab_n}: B's TTFT ratio from submit, median", lambda x: lab.ab(x)["submit_median"])
+        anchor_trio("ab_at_once", "B's TTFT ratio at once", "{:.2f}", names=(vc.AB_TRACE,))
+        trio(f"{cfg.probe_streams} long streams of one user: another's 2-token request, most iterations "
+             "to its first token", lambda x: lab.probe(x)["max_to_first_token"], "{:.0f}")
+        anchor_trio("ttft_p99_s", "TTFT p99, s", "{:.2f}")
+        trio("flood: output tok/s", lambda x: lab.flood(x)["throughput_tok_s"], "{:.1f}")
     return figs
 
 
@@ -776,7 +956,8 @@ def tolerance_curve(lab: Lab) -> list[dict]:
 
 
 def tolerance_figures(lab: Lab, curve: list[dict]) -> list[Figure]:
-    """The tolerance row: each tolerance other than the default's against the default (T = 0):
+    """The tolerance row: each tolerance other than the default's against the default
+    (``fairness_rules.TOLERANCE_TOKENS``):
     TTFT p99 per balanced anchor (vLLM's in the label) and the weight-2 user's share."""
     base = next(c for c in curve if c["tolerance"] == fr.TOLERANCE_TOKENS)
     fcfs, vllm = curve[-2], curve[-1]

@@ -24,6 +24,11 @@ Measured per policy: the TTFT ratio, A's output throughput relative to FCFS, Jai
 the largest service gap (weighted tokens: w_p per first-time prompt token, w_q per output
 token), preemptions and isolated iterations.
 
+Closed loops of issue 38 (``attacker_first``: one user's endless streams first, another's two
+seconds later, the second's share per 15-s window; ``long_streams_probe``: one user's long streams
+and another's 2-token request, iterations to its first token) are run by
+``tests/test_fair_running.py`` and ``bench/ablation.py``.
+
 The A/B burst on the real-time stub is measured by ``bench/cold_fairness.py``, each
 measurement in a fresh process as an outside harness runs it (a warm in-process run hides
 first-call costs).
@@ -31,6 +36,7 @@ first-call costs).
 from __future__ import annotations
 
 import argparse
+import bisect
 import random
 import statistics
 import sys
@@ -116,6 +122,127 @@ def returning(seed: int, *, n_backlog: int = 600, idle_until_s: float = 8.0, n_r
     out = [_req(rng, u, i, 0.0) for i in range(n_backlog) for u in ("A", "C")]
     out += [_req(rng, "B", i, 0.0) for i in range(20)]
     out += [_req(rng, "B", 20 + i, idle_until_s) for i in range(n_return)]
+    return out
+
+
+# ---------------------------------------------------------------- closed loops (issue 38)
+
+
+@dataclass
+class AttackRun:
+    """An ``attacker_first`` run: per user, the clock time of every token generated
+    (``on_tokens``), the 15-s windows' starts and the second user's share in each, the scheduler."""
+
+    token_s: dict[str, list[float]]
+    window_starts_s: list[float]
+    shares: list[float]
+    scheduler: Scheduler
+
+
+def attacker_first(make_scheduler: Callable[..., Scheduler] = Scheduler, *, n_streams: int = 64,
+                   arrive_s: float = 2.0, horizon_s: float = 62.0, from_s: float = 5.0, window_s: float = 15.0,
+                   step_s: float = 1.0, prompt_tokens: int = 8, max_tokens: int = 100_000,
+                   first: str = "M", second: str = "A") -> AttackRun:
+    """Issue 38's "first comes, first keeps", in-process on the virtual clock: user ``first``
+    opens ``n_streams`` endless streams (``max_tokens`` tokens, EOS probability 0, a closed loop:
+    a finished request is resubmitted at once), user ``second`` opens as many ``arrive_s`` later.
+    ``second``'s share of the generated tokens in every ``window_s`` window starting from
+    ``from_s`` after it arrives, every ``step_s``, while the window ends by ``horizon_s``.
+    ``make_scheduler(backend=, clock=, on_tokens=)`` builds the scheduler."""
+    clock = inference_stub.VirtualClock()
+    gpu = inference_stub.SimulatedGPU(eos_probability=0.0, seed=1, clock=clock)
+    token_s: dict[str, list[float]] = {first: [], second: []}
+
+    def on_tokens(pairs) -> None:
+        now = clock()
+        for r, _ in pairs:
+            token_s[r.user_id].append(now)
+
+    s = make_scheduler(backend=gpu, clock=clock, on_tokens=on_tokens)
+    count = {first: 0, second: 0}
+
+    def submit(user: str) -> None:
+        count[user] += 1
+        k = count[user]
+        s.submit(Request(user_id=user, prompt=[1 + (k + j) % 60 for j in range(prompt_tokens)],
+                         max_tokens=max_tokens, request_id=f"{user}{k}"))
+
+    for _ in range(n_streams):
+        submit(first)
+    arrived = False
+    while clock() < horizon_s:
+        if not arrived and clock() >= arrive_s:
+            for _ in range(n_streams):
+                submit(second)
+            arrived = True
+        for r in s.tick():
+            submit(r.user_id)
+    starts, shares = [], []
+    t0 = arrive_s + from_s
+    while t0 + window_s <= horizon_s:
+        a = bisect.bisect(token_s[second], t0 + window_s) - bisect.bisect(token_s[second], t0)
+        m = bisect.bisect(token_s[first], t0 + window_s) - bisect.bisect(token_s[first], t0)
+        starts.append(t0)
+        shares.append(a / (a + m) if a + m else float("nan"))
+        t0 += step_s
+    return AttackRun(token_s, starts, shares, s)
+
+
+@dataclass
+class Probe:
+    """One probe of ``long_streams_probe``: the tick it was submitted at, the requests resident
+    then, and the iterations from its submit to its first token (its admission: its prompt is
+    one chunk) and to its completion."""
+
+    submit_tick: int
+    resident: int
+    to_first_token: int
+    to_done: int
+
+
+def long_streams_probe(make_scheduler: Callable[..., Scheduler] = Scheduler, *, n_streams: int = 100,
+                       max_tokens: int = 3000, probe_ticks: Sequence[int] = (300, 1000, 2000, 3000, 4000),
+                       prompt_tokens: int = 8, probe_max_tokens: int = 2) -> list[Probe]:
+    """Issue 38's "one key stalls everyone", on the virtual clock: user H keeps ``n_streams``
+    requests of ``max_tokens`` (EOS probability 0) in flight, a closed loop; at each of
+    ``probe_ticks`` user L submits one ``probe_max_tokens``-token request and the run goes on
+    until it completes. ``make_scheduler(backend=, clock=)`` builds the scheduler."""
+    clock = inference_stub.VirtualClock()
+    gpu = inference_stub.SimulatedGPU(eos_probability=0.0, seed=1, clock=clock)
+    s = make_scheduler(backend=gpu, clock=clock)
+    n = 0
+
+    def submit(user: str, m: int) -> Request:
+        nonlocal n
+        n += 1
+        r = Request(user_id=user, prompt=[1 + (n + j) % 60 for j in range(prompt_tokens)], max_tokens=m,
+                    request_id=f"{user}{n}")
+        s.submit(r)
+        return r
+
+    def tick() -> None:
+        for r in s.tick():
+            if r.user_id == "H":
+                submit("H", max_tokens)
+
+    for _ in range(n_streams):
+        submit("H", max_tokens)
+    out = []
+    t = 0
+    for target in probe_ticks:
+        while t < target:
+            tick()
+            t += 1
+        probe = submit("L", probe_max_tokens)
+        resident = len(s.state.running)
+        k, first = 0, None
+        while probe.completed_at is None:
+            tick()
+            t += 1
+            k += 1
+            if first is None and probe.generated:
+                first = k
+        out.append(Probe(target, resident, first, k))
     return out
 
 

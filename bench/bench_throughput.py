@@ -505,31 +505,44 @@ def online_frontier(n_seeds: int = 8) -> list[str]:
 
 
 class AgedLPT(VTCPolicy):
-    """VTC whose users' queues are ordered by ``submitted_at - beta_s * remaining_iterations``
-    (prompt chunks + ``max_tokens`` left): a request is treated as if it had arrived ``beta_s``
-    seconds earlier per iteration it may still need. ``beta_s = 0`` is arrival order (the
-    shipped VTC); a large ``beta_s`` is longest first. A deployable rule between the two (it
-    reads only ``max_tokens``), for the trade-off table of ``--only ttft``. Across users the
-    VTC order is unchanged (among eligible users, the earliest-arrived queue head first)."""
+    """VTC whose users' queues are ordered by ``arrived_s - beta_s * remaining_iterations``
+    (prompt chunks + ``max_tokens`` left), ties by ``order_no``: a request is treated as if it had
+    arrived ``beta_s`` seconds earlier per iteration it may still need. ``arrived_s`` is
+    ``submitted_at``, or for a preempted decode, which VTC puts behind every arrival so far
+    (``requeue_behind``), the latest ``submitted_at`` seen when it was requeued. ``beta_s = 0`` is
+    VTC's own order within each user (by ``order_no``); a large ``beta_s`` is longest first. A
+    deployable rule between the two (it reads only ``max_tokens``), for the trade-off table of
+    ``--only ttft``. Across users the VTC order is unchanged (light users first, then among
+    eligible users the queue head first in ``order_no``)."""
 
     def __init__(self, beta_s: float, *, prefill_chunk_tokens: int = bench.PREFILL_CHUNK_TOKENS,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.beta_s = beta_s
         self.chunk_tokens = prefill_chunk_tokens
+        self._latest_s = float("-inf")  # the latest submitted_at added
+        self._behind_s: dict[Any, float] = {}  # waiting preempted decodes put behind: their arrived_s
 
     def _aged(self, seq: Any) -> tuple[float, int]:
-        return seq.req.submitted_at - self.beta_s * remaining_iterations(seq, self.chunk_tokens), seq.arrival_no
+        arrived_s = self._behind_s.get(seq, seq.req.submitted_at)
+        return arrived_s - self.beta_s * remaining_iterations(seq, self.chunk_tokens), seq.order_no
 
     def add(self, seq: Any) -> None:
+        self._latest_s = max(self._latest_s, seq.req.submitted_at)
         super().add(seq)  # appended to its user's queue (the user lifted if it was idle): moved into place
         q = self._queues[seq.user_id]
         q.pop()
         insort(q, seq, key=self._aged)
 
     def requeue(self, seq: Any) -> None:
+        if seq.order_no != seq.arrival_no:  # put behind every arrival so far (``step.apply``)
+            self._behind_s[seq] = max(self._latest_s, seq.req.submitted_at)
         super().requeue(seq)
         self._queues[seq.user_id].sort(key=self._aged)
+
+    def remove(self, seq: Any) -> None:
+        super().remove(seq)
+        self._behind_s.pop(seq, None)
 
 
 def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0, last: int | None = None) -> list[str]:

@@ -25,7 +25,7 @@ def test_ablation_has_a_row_per_mechanism_and_the_tolerance_curve_with_finite_fi
     cfg = ablation.Config.quick()
     rows, mat, curve = ablation.ablate(cfg, traces=traces if (traces / cfg.anchors[0]).is_file() else tmp_path)
     assert [r.key for r in rows] == [v.key for v in ablation.MECHANISMS] + [ablation.TOLERANCE]
-    assert len(rows) == 8
+    assert len(rows) == 14
     for r in rows:
         assert r.figures, r.key
         for f in r.figures:
@@ -48,20 +48,65 @@ def test_ablation_has_a_row_per_mechanism_and_the_tolerance_curve_with_finite_fi
             assert all(math.isfinite(c[k]) for k in ("throughput_tok_s", "preemptions", "ttft_p99_s", "tpot_p99_s"))
 
 
+def _victim_probe():
+    """Candidates on which the three victim rules differ: user a's two requests (6 blocks each,
+    400 and 500 tokens computed, admitted 1st and 2nd), user b's one (2 blocks, 30 tokens,
+    admitted 0th). VTC: a's cheaper (a has the higher pressure); victim_before alone: b's (least
+    recompute, b not light); the newest admission: a's costlier."""
+    def seq(rid, user, admit_no, blocks, computed):
+        s = type("S", (), {})()
+        s.request_id, s.user_id, s.admit_no, s.block_table, s.num_preemptions, s.num_computed_tokens = (
+            rid, user, admit_no, [0] * blocks, 0, computed)
+        return s
+
+    return [seq("a-cheap", "a", 1, 6, 400), seq("a-costly", "a", 2, 6, 500), seq("b", "b", 0, 2, 30)]
+
+
 def test_each_variant_switches_off_only_its_mechanism():
-    """The variant's scheduler differs from the default's in the one knob named."""
+    """The variant's scheduler differs from the default's in the one knob named; the victim rule
+    and the order are told apart by what they answer."""
     def knobs(s):
         p, c = s.policy, s.config
+        # the first of the order when user b (arrived second) is light: b, unless light is ignored
+        a, b = (type("Q", (), {"user_id": u, "arrival_no": i, "order_no": i, "num_prompt_tokens": 10,
+                               "prompt_charged_tokens": 0}) for i, u in enumerate("ab"))
+        for q in (a, b):
+            p.add(q)
+        first = next(iter(p.order(lambda u: u == "b"))).user_id
+        for q in (a, b):
+            p.remove(q)
         return {"vtc": isinstance(p, VTCPolicy), "tolerance": getattr(p, "tolerance_tokens", None),
                 "isolation": c.isolation, "headroom": c.headroom, "resume": c.resume_first,
-                "victim": type(p).victim.__qualname__, "aging": c.aging_ticks, "cap": c.max_preemptions}
+                "victim": p.victim(_victim_probe()).request_id, "room": p.pressure("a", 0) is not None,
+                "requeue_behind": p.requeue_behind, "light_first": first, "aging": c.aging_ticks,
+                "cap": c.max_preemptions, "quantum": c.quantum_ticks, "hold": c.hold_ticks}
 
     base = knobs(ablation.DEFAULT.factory()())
     assert base == knobs(scheduler.Scheduler())
+    assert base["victim"] == "a-cheap" and base["room"] and base["light_first"] == "b"
     changed = {v.key: {k for k, x in knobs(v.factory()()).items() if x != base[k]} for v in ablation.MECHANISMS}
     assert changed == {"vtc": {"tolerance"}, "isolation": {"isolation"}, "headroom": {"headroom"},
-                       "resume-first": {"resume"}, "victim": {"victim"}, "aging": {"aging"}, "preemption-cap": {"cap"}}
+                       "resume-first": {"resume"}, "victim": {"victim"}, "aging": {"aging"}, "preemption-cap": {"cap"},
+                       "pressure-victim": {"victim"}, "room": {"room"}, "quantum": {"quantum"}, "hold": {"hold"},
+                       "requeue-behind": {"requeue_behind"}, "light-first": {"light_first"}}
     assert knobs(ablation.tolerance_variant(512).factory()()) == {**base, "tolerance": 512}
+    assert knobs(ablation.VARIANTS["victim"].factory()())["victim"] == "a-costly"  # the newest admission
+    assert knobs(ablation.VARIANTS["pressure-victim"].factory()())["victim"] == "b"  # victim_before alone
+    assert ablation.VARIANTS["preemption-cap"].factory()().config.max_preemptions == 4
+
+
+def test_the_pressure_free_victim_is_vtcs_victim_whenever_no_user_goes_first():
+    """``NoPressureVictimVTC`` copies ``VTCPolicy.victim`` less ``victim_user_first``: where the
+    pressures are within a request's worth, or one user holds every candidate, both agree."""
+    cands = _victim_probe()
+    evened = ablation.NoPressureVictimVTC()
+    full = VTCPolicy()
+    for p in (evened, full):
+        p.charge("b", 0, 512)  # b's counter makes up its one resident request less
+    assert full.victim(cands).request_id == evened.victim(cands).request_id == "b"
+    assert VTCPolicy().victim(cands[:2]) is ablation.NoPressureVictimVTC().victim(cands[:2]) is cands[0]
+    room_off = ablation.NoRoomVTC()
+    assert room_off.pressure("a", 3) is None and room_off.victim(cands) is VTCPolicy().victim(cands)
 
 
 def test_the_victim_variant_preempts_the_newest_admission_where_vtc_shields_a_light_user():

@@ -1,9 +1,14 @@
 """``VTCPolicy.order`` (heaps, a lazy walk) against a brute-force reference written from the rules
-(``spec.fairness_rules``: ``vtc_eligible``, ``charged_counter``, ``lift_floor``, ``lifted_counter``,
-``idle_floor``, ``forgettable``): on random sequences of arrivals, admissions (also past the first
-candidate), preemptions back to the queue, aborts, charges, finishes and idle users, with
-tolerances 0..1000, weights and prices; the order, every lazy prefix of it, the counters, the
-lift floor and the waiting preempted decodes (``resumable``) match."""
+(``spec.fairness_rules``: ``vtc_eligible``, ``charged_counter``, ``lift_floor`` at
+``LIFT_TOLERANCE_TOKENS``, ``lifted_counter``, ``idle_floor``, ``forgettable``; ``docs/design.md``,
+"The tick", step 2): every waiting request of a light user first, by ``order_no``; then among the
+other users within the tolerance of their least counter, the earliest head by ``order_no``. On
+random sequences of arrivals, admissions (also past the first candidate), preemptions back to the
+queue (a preempted decode takes a new ``order_no`` behind every arrival, as ``step.apply`` gives
+it for a policy with ``requeue_behind``), aborts, charges, finishes and idle users, with tolerances
+0..8192, weights, prices and random sets of light users; the order (with and without ``light``),
+every lazy prefix of it, the counters, the lift floor and the waiting preempted decodes
+(``resumable``) match."""
 import random
 
 import pytest
@@ -30,6 +35,7 @@ class Ref:
 
     def __init__(self, T, weights, pp, op):
         self.T, self.w, self.pp, self.op = T * S, weights, pp, op
+        self.lift_T = fr.LIFT_TOLERANCE_TOKENS * S  # the lift ignores the band
         self.c = {}
         self.floor = 0
         self.wait = {}  # user -> list of seqs (set semantics)
@@ -43,7 +49,7 @@ class Ref:
         others = [self.c.get(v, 0) for v in self.wait if v != u] or \
             [self.c.get(v, 0) for v in self.active if v != u]
         if others:
-            self.floor = max(self.floor, min(others) - self.T - 1)
+            self.floor = max(self.floor, min(others) - self.lift_T - 1)
         self.c[u] = max(self.c.get(u, 0), self.floor)
         self.active.add(u)
 
@@ -72,14 +78,15 @@ class Ref:
         if not self.active:  # nobody waiting or resident: everyone starts level
             self.floor = max(self.floor, max(self.c.values(), default=0))
 
-    def order(self):
-        qs = {u: sorted(v, key=lambda q: q.arrival_no) for u, v in self.wait.items()}
+    def order(self, light=None):
+        light = light or (lambda u: False)
+        out = sorted((q for u, v in self.wait.items() if light(u) for q in v), key=lambda q: q.order_no)
+        qs = {u: sorted(v, key=lambda q: q.order_no) for u, v in self.wait.items() if not light(u)}
         local = {u: self.c.get(u, 0) for u in qs}
-        out = []
         while qs:
             least = min(local[u] for u in qs)
             elig = [u for u in qs if local[u] <= least + self.T]
-            u = min(elig, key=lambda u: qs[u][0].arrival_no)
+            u = min(elig, key=lambda u: qs[u][0].order_no)
             s = qs[u].pop(0)
             out.append(s)
             local[u] += cdiv(self.pp * (s.num_prompt_tokens - s.prompt_charged_tokens) * S, self.weight(u))
@@ -91,7 +98,7 @@ class Ref:
 def run(seed, steps=300):
     """One random run, compared after every step; True when every comparison held."""
     rng = random.Random(seed)
-    T = rng.choice([0, 0, 1, 5, 20, 100, 1000])
+    T = rng.choice([0, 0, 1, 5, 20, 100, 1000, fr.TOLERANCE_TOKENS])
     nusers = rng.randint(1, 12)
     users = [f"u{i}" for i in range(nusers)]
     weights = {u: rng.randint(1, 16) for u in users if rng.random() < 0.4}
@@ -124,6 +131,8 @@ def run(seed, steps=300):
             s.prompt_charged_tokens = rng.choice([0, rng.randint(0, s.num_prompt_tokens), s.num_prompt_tokens])
             if rng.random() < 0.5:
                 s.req.generated = [0] * rng.randint(1, 10)
+            if pol.requeue_behind and s.req.generated:  # as step.apply does: behind every arrival so far
+                s.order_no, arrival = arrival, arrival + 1
             waiting.append(s); pol.requeue(s); ref.requeue(s)
         elif op_ < 0.72:
             s = waiting.pop(rng.randrange(len(waiting)))  # aborted while waiting
@@ -136,9 +145,14 @@ def run(seed, steps=300):
         elif resident and op_ < 0.9:
             s = resident.pop(rng.randrange(len(resident)))  # finished (or aborted while resident)
             maybe_idle(s.user_id)
-        # compare
-        got = list(pol.order())
-        exp = ref.order()
+        # compare, with no light users and with a random set of them
+        lights = set(rng.sample(users, rng.randint(0, nusers)))
+        light = lights.__contains__
+        for lt in (None, light):
+            got, exp = list(pol.order() if lt is None else pol.order(lt)), ref.order(lt)
+            assert got == exp, ("order", seed, step, T, sorted(lights) if lt else None, got[:10], exp[:10])
+        got = list(pol.order(light))
+        exp = ref.order(light)
         assert len(got) == len(set(map(id, got))), ("dup", seed, step, got)
         assert set(map(id, got)) == set(map(id, waiting)), ("set", seed, step)
         assert len(pol) == len(waiting), ("len", seed, step)
@@ -150,10 +164,9 @@ def run(seed, steps=300):
                 assert fr.forgettable(pol.counter(u), pol.floor) or pol.counter(u) == ref.c.get(u, 0), \
                     ("idle counter", seed, step, u, pol.counter(u), ref.c.get(u, 0))
                 assert max(pol.counter(u), pol.floor) == max(ref.c.get(u, 0), ref.floor), ("idle", seed, step, u)
-        assert got == exp, ("order", seed, step, T, got[:10], exp[:10])
-        assert list(pol.resumable()) == sorted(ref.decodes, key=lambda q: q.arrival_no), ("resumable", seed, step)
+        assert list(pol.resumable()) == sorted(ref.decodes, key=lambda q: q.order_no), ("resumable", seed, step)
         # lazy partial consumption equals prefix
-        it = pol.order()
+        it = pol.order(light)
         k = rng.randint(0, len(exp))
         part = [next(it) for _ in range(k)]
         assert part == exp[:k]

@@ -88,16 +88,43 @@ def test_flooding_user_cannot_push_another_users_ttft_above_the_bound():
 
 
 def test_returning_user_takes_no_more_than_its_fair_share():
+    """Strict VTC (tolerance 0): the lift puts B just below the least counter, so from its return
+    B gets its third of the service, no more (idle time banks no credit)."""
     reqs = bf.returning(0, n_backlog=150, idle_until_s=8.0, n_return=60)
-    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler)
+    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler, policy=VTCPolicy(tolerance_tokens=0))
     share = bf.share_after(res.scheduler.trace, "B", 8.0, window_s=3.0)
     assert 0.25 <= share <= 0.40  # fair: 1/3 of the service among A, B, C
+
+
+def test_returning_user_lags_the_others_by_less_than_the_tolerance_band_at_the_default():
+    """At the default band (8192 weighted tokens) a returning user is lifted just below the least
+    counter (``LIFT_TOLERANCE_TOKENS`` = 0) and joins the band, where requests go by arrival: B
+    waits behind A's and C's older requests until their counters leave the band, so right after
+    its return it gets less than a third (measured: 0 in [8 s, 11 s]), but while all three are
+    backlogged it never falls behind either of them by the band's width (measured: 4,570), and
+    it never runs ahead of them."""
+    reqs = bf.returning(0, n_backlog=150, idle_until_s=8.0, n_return=60)
+    res = run(reqs, record_itl=False, make_scheduler=bf.RecordingScheduler)
+    trace = res.scheduler.trace
+    base = next(svc for t, svc, _ in trace if t >= 8.0)
+    lag = lead = 0.0
+    together = 0
+    for t, svc, backlogged in trace:
+        if t >= 8.0 and {"A", "B", "C"} <= backlogged:
+            since = {u: svc.get(u, 0.0) - base.get(u, 0.0) for u in "ABC"}
+            lag = max(lag, min(since["A"], since["C"]) - since["B"])
+            lead = max(lead, since["B"] - max(since["A"], since["C"]))
+            together += 1
+    assert together > 50  # all three backlogged a while after the return (measured: 74 ticks)
+    assert lag < fr.TOLERANCE_TOKENS and lead <= 0
+    assert bf.share_after(trace, "B", 8.0, window_s=6.0) <= 0.5  # and it catches up, no more
 
 
 class NoLift(VTCPolicy):
     """VTC without the counter lift (plain least-counter-first): idle time banks credit."""
 
     def lift(self, user):  # the returning user keeps its old (low) counter, the floor stays
+        self._counter.setdefault(user, 0)  # a new user starts at 0 (an active user has a counter)
         self._active.add(user)
 
 
@@ -284,7 +311,7 @@ def _reserved_heavy_request(num_heavy: int, num_aborted: int) -> tuple[Scheduler
     s.tick()
     r = make_req("r", "h", 36, 1000)
     s.submit(r)
-    for _ in range(3):
+    for _ in range(2):  # blocked 2 ticks: the reservation (the next tick it would take room)
         s.tick()
     assert s.state.reserved is not None and s.state.reserved.req is r and s.pool.num_free < 10
     for i in range(num_aborted):
@@ -432,11 +459,11 @@ def test_default_scheduler_is_fair_and_fcfs_stays_available():
 class _FakeSeq:
     """What a policy reads of a waiting request (``batch.core.state.Seq``)."""
 
-    __slots__ = ("user_id", "arrival_no", "num_prompt_tokens", "prompt_charged_tokens", "req")
+    __slots__ = ("user_id", "arrival_no", "order_no", "num_prompt_tokens", "prompt_charged_tokens", "req")
 
     def __init__(self, user, arrival_no, n_prompt=10):
-        self.user_id, self.arrival_no, self.num_prompt_tokens, self.prompt_charged_tokens = \
-            user, arrival_no, n_prompt, 0
+        self.user_id, self.arrival_no, self.order_no, self.num_prompt_tokens, self.prompt_charged_tokens = \
+            user, arrival_no, arrival_no, n_prompt, 0
         self.req = make_req(f"{user}{arrival_no}", user=user, n_prompt=n_prompt)  # nothing generated
 
     @property
@@ -474,16 +501,22 @@ def test_within_the_tolerance_admission_is_first_come_first_served_and_past_it_b
     assert next(iter(p.order())) is b
 
 
-def test_a_returning_user_starts_the_tolerance_below_the_least_backlogged_counter():
+def test_a_returning_user_starts_just_below_the_least_backlogged_counter_whatever_the_band():
+    """The lift ignores the band (``LIFT_TOLERANCE_TOKENS`` = 0): a returning user is not
+    credited the band's width, which would read as the others' lead in ``pressure_units``; it
+    joins the band and waits behind the older requests there."""
+    assert fr.LIFT_TOLERANCE_TOKENS == 0
     p = VTCPolicy(tolerance_tokens=100)
     a0, a1 = _FakeSeq("a", 0), _FakeSeq("a", 1)
     p.add(a0)
     p.add(a1)
     p.charge("a", 500, 0)
     b = _FakeSeq("b", 2)
-    p.add(b)  # idle until now, counter 0: lifted to 500 - 100 and one unit, no lower
-    assert p.counter("b") == 400 * fr.COUNTER_SCALE - 1
-    # a is just past b's band: b goes first, then a's requests in arrival order
+    p.add(b)  # idle until now, counter 0: lifted to 500 less one unit, not to 500 - 100
+    assert p.counter("b") == 500 * fr.COUNTER_SCALE - 1
+    # a stays within b's band (charged 10 a pick): arrival order
+    assert list(p.order()) == [a0, a1, b]
+    p.charge("a", 100, 0)  # a 100 weighted tokens and a unit ahead of b: past the band, b first
     assert list(p.order()) == [b, a0, a1]
 
 

@@ -79,15 +79,15 @@ class _Resumes(VTCPolicy):
 
 
 def _scheduler_with(first_rid: str, counter_first: str, **kw):
-    """A 10-block cache: R (user c) resident with 6 blocks; waiting: big (user a, 4 blocks with
-    its first slot) and small (user b, 1 block). ``first_rid`` is what ``resumable`` names;
-    ``counter_first`` is the user with the smaller counter."""
+    """A 10-block cache: R (user c) resident with 6 blocks; waiting: big (user a, 5 blocks with
+    its first slot: it does not fit the 4 free) and small (user b, 1 block). ``first_rid`` is
+    what ``resumable`` names; ``counter_first`` is the user with the smaller counter."""
     pol = _Resumes(isolation=False, tolerance_tokens=0)  # strict counter order
     s = Spy(backend=ScriptedBackend(), clock=StepClock(), kv_cap_blocks=10, policy=pol, **kw)
     s.submit(make_req("R", user="c", n_prompt=90, max_tokens=50))
     s.tick()
     s.tick()  # R's prompt is in: 6 blocks
-    big, small = make_req("big", user="a", n_prompt=60, max_tokens=5), make_req("small", user="b", n_prompt=10)
+    big, small = make_req("big", user="a", n_prompt=64, max_tokens=5), make_req("small", user="b", n_prompt=10)
     s.submit(big)
     s.submit(small)
     pol.charge("b" if counter_first == "a" else "a", 400, 0)  # both backlogged: no lift evens it
@@ -96,7 +96,7 @@ def _scheduler_with(first_rid: str, counter_first: str, **kw):
 
 
 def test_a_trial_that_does_not_fit_is_skipped_not_blocked():
-    # big is tried first but does not fit (4 free blocks less the headroom); small, first in the
+    # big is tried first but does not fit (4 free blocks); small, first in the
     # counter order, still gets in (with big as a blocking head it would not), and big ages
     # once, as the first request of the counter order that does not fit.
     s, big, small = _scheduler_with("big", counter_first="b")
@@ -116,7 +116,7 @@ def test_a_trial_that_fits_goes_before_the_counter_order():
 
 def test_with_resume_first_off_the_scheduler_tries_nothing_first():
     # the policy still names small, but the scheduler (resume_first=False) does not try it: the
-    # counter order's big is the blocked head and nothing passes it
+    # counter order's big is the blocked head and nothing passes it within the hold
     s, big, small = _scheduler_with("small", counter_first="a", resume_first=False)
     assert not s.config.resume_first
     s.tick()
@@ -195,13 +195,14 @@ def test_a_blocked_head_of_the_counter_order_blocks_the_order_but_not_a_trial_be
     assert _admitted(s) == ["t"] and big.blocked_ticks == 2
 
 
-def test_the_reservation_holder_goes_before_the_trials_and_turns_them_off():
+def test_the_reservation_holder_goes_before_the_trials_and_takes_room():
     s, pol, big, trial = _blocked_head_and_trial(aging_ticks=1)
     s.tick()
     assert s.state.reserved is big
     pol.first = [trial]
-    s.tick()  # big still does not fit: nothing is admitted, the trial is not tried
-    assert _admitted(s) == [] and s.state.reserved is big and s.plans[-1].blocked is big
+    s.tick()  # big does not fit: it takes R's room (any resident may give it) before t is tried
+    assert _admitted(s) == ["big", "t"] and [q.request_id for q in s.plans[-1].preempted] == ["R"]
+    assert s.state.reserved is None and s.state.protected is big and big.holder
 
 
 def test_the_resume_search_of_bench_fairness_runs():

@@ -33,15 +33,41 @@ def test_victim_is_the_request_with_the_least_recompute_not_the_newest_and_never
     assert VTCPolicy().victim([light]) is light  # nobody else: a light user's request can go
 
 
+def _a_two_b_one():
+    """a: two requests (6 blocks each, 400 and 500 tokens computed); b: one (2 blocks, 30)."""
+    return (make_seq("a", 0, admit_no=1, num_computed_tokens=400, block_table=[0] * 6),
+            make_seq("a", 1, admit_no=2, num_computed_tokens=500, block_table=[0] * 6),
+            make_seq("b", 2, admit_no=3, num_computed_tokens=30, block_table=[0] * 2))
+
+
 def test_victim_may_belong_to_a_user_below_its_share_when_it_loses_the_least():
-    a_cheap = make_seq("a", 0, admit_no=1, num_computed_tokens=400, block_table=[0] * 6)
-    a_costly = make_seq("a", 1, admit_no=2, num_computed_tokens=500, block_table=[0] * 6)
-    b_cheapest = make_seq("b", 2, admit_no=3, num_computed_tokens=30, block_table=[0] * 2)
+    a_cheap, a_costly, b_cheapest = _a_two_b_one()
+    p = VTCPolicy()
+    p.charge("b", 0, fr.PRESSURE_TOKENS // fr.OUTPUT_PRICE)  # b's service makes up its one request less
+    assert p.pressure("a", 2) == p.pressure("b", 1)  # so no user goes first (``victim_user_first``)
     # b holds 2 of 14 blocks: below its share (7) but not light (over 1.75): least recompute lost
-    assert VTCPolicy().victim([a_cheap, a_costly, b_cheapest]) is b_cheapest
+    assert p.victim([a_cheap, a_costly, b_cheapest]) is b_cheapest
     # light: at most a quarter of the weighted share of the blocks (within_share at 1/4)
     assert fr.within_share(1, 1, 9, 2, 1, 4) and not fr.within_share(2, 1, 14, 2, 1, 4)
     assert fr.within_share(2, 1, 16, 2, 1, 4)  # exactly a quarter (2 of 16, share 8): light
+
+
+def test_victim_comes_from_the_user_of_highest_pressure_once_it_is_a_request_ahead():
+    """``victim_user_first``: the user of highest ``pressure_units`` (resident requests per weight,
+    each worth ``PRESSURE_TOKENS`` weighted tokens, plus its counter) gives the victim when it is
+    at least one request's worth above the lowest; below that, ``victim_before`` alone decides."""
+    a_cheap, a_costly, b_cheapest = _a_two_b_one()
+    assert VTCPolicy().victim([a_cheap, a_costly, b_cheapest]) is a_cheap  # a: 2 requests, b: 1
+    served = VTCPolicy()
+    served.charge("b", 0, 1)  # b one output token ahead: a is less than a request's worth above it
+    assert served.victim([a_cheap, a_costly, b_cheapest]) is b_cheapest
+    ahead = VTCPolicy()
+    ahead.charge("a", 0, 1)  # a one token more: the gap is above a request's worth again
+    assert ahead.victim([a_cheap, a_costly, b_cheapest]) is a_cheap
+    heavy = VTCPolicy(weights={"a": 2})  # a's two requests at weight 2 weigh as b's one
+    assert heavy.pressure("a", 2) == heavy.pressure("b", 1) and heavy.victim([a_cheap, a_costly, b_cheapest]) is b_cheapest
+    assert fr.victim_user_first(fr.PRESSURE_TOKENS * fr.COUNTER_SCALE, 0)
+    assert not fr.victim_user_first(fr.PRESSURE_TOKENS * fr.COUNTER_SCALE - 1, 0)
 
 
 def test_victim_spreads_preemptions_before_it_looks_at_recompute():

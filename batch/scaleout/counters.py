@@ -101,7 +101,9 @@ class GlobalCounters:
     latest report) and whose global counter ``c_u`` is at or below what the lift would give it
     back on return: ``forgettable(c_u, lift_floor(0, m, True, T))``, i.e.
     ``c_u <= m - T - 1``, ``m`` the least global counter among the users waiting on any replica and
-    ``T`` the policy's tolerance (counter units). Such a counter carries no information: on return
+    ``T`` at least the tolerance the policy lifts with, counter units (``VTCPolicy`` lifts at
+    ``fairness_rules.LIFT_TOLERANCE_TOKENS``, 0, whatever its band; the Ray deployment passes the
+    band, ``TOLERANCE_TOKENS``, which forgets less). Such a counter carries no information: on return
     the user is lifted to at least ``m - T - 1`` whether it is remembered or not (docs/scale-out.md,
     "Forgetting idle users"). Its service, lift level and per-replica entries are dropped, and each
     replica hears of it in its next ``SyncReply.forgotten`` so that its policy forgets the user too
@@ -113,8 +115,8 @@ class GlobalCounters:
 
     Args:
         forget_idle: forget as above (off: totals are kept for the life of the store).
-        tolerance_units: the policy's tolerance ``T``, counter units (``VTCPolicy``'s
-            ``tolerance_tokens * COUNTER_SCALE``; every replica uses the same).
+        tolerance_units: ``T`` above, counter units: at least the policy's lift tolerance
+            (``LIFT_TOLERANCE_TOKENS * COUNTER_SCALE``, 0); every replica uses the same.
         stale_replica_s: seconds without a sync after which a replica's report no longer counts.
         clock: seconds (default ``time.monotonic``).
 
