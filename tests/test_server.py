@@ -189,11 +189,12 @@ def test_with_keys_no_key_a_wrong_key_or_basic_auth_get_401_on_every_v1_route():
             s.openai("sk-made-up").completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert s.openai("sk-bob-1").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
         assert httpx.get(f"{s.url}/health").status_code == 200  # open
-        metrics = httpx.get(f"{s.url}/metrics")  # open unless metrics_need_key
+        _assert_401(httpx.get(f"{s.url}/metrics"))  # with keys, /metrics needs one too by default
+        metrics = httpx.get(f"{s.url}/metrics", headers={"Authorization": "Bearer sk-bob-1"})
         assert metrics.status_code == 200 and "sk-" not in metrics.text
-        m = bench_serve.scrape(s.url)
+        m = bench_serve.scrape(s.url, headers={"Authorization": "Bearer sk-bob-1"})
     assert seen == ["alice", "alice", "bob"]  # nothing refused reached the engine
-    assert m['batch:request_rejected_total{code="401"}'] == 3 * len(bad_headers) + 2
+    assert m['batch:request_rejected_total{code="401"}'] == 3 * len(bad_headers) + 3
     assert not any(k.startswith("batch:request_rejected_total") and "413" in k for k in m)
 
 
@@ -218,7 +219,7 @@ def test_with_keys_the_identity_is_the_keys_user_whatever_the_body_says():
         s.openai("sk-alice-1").completions.create(model=MODEL, prompt="x", max_tokens=2)
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "alice"})
         _assert_401(r)  # naming a user is no key
-        m = bench_serve.scrape(s.url)
+        m = bench_serve.scrape(s.url, headers={"Authorization": "Bearer sk-bob-1"})
     assert seen == ["bob"] * 4 + ["alice", "alice"]
     labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
     assert labelled == {"alice", "bob"}
@@ -753,33 +754,33 @@ def test_engine_death_answers_requests_queued_during_the_fatal_tick():
 
 
 def test_per_user_metric_labels_are_bounded():
-    with LiveServer(ServerConfig(known_users=("vip",), max_user_labels=3, trust_user_field=True),
-                    weights={"vip": 2}) as s:
+    # the config's users (here a weighted one) count against the cap as any other
+    with LiveServer(ServerConfig(max_user_labels=3, trust_user_field=True), weights={"vip": 2}) as s:
         for u in ["vip", *(f"rnd{i}" for i in range(8))]:
             r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2, "user": u})
             assert r.status_code == 200
         m = bench_serve.scrape(s.url)
     labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
-    assert labelled == {"vip", "rnd0", "rnd1", "rnd2", "other"}
-    assert m['batch:prompt_tokens_total{user="other"}'] == 5 * 2
+    assert labelled == {"vip", "rnd0", "rnd1", "other"}
+    assert m['batch:prompt_tokens_total{user="other"}'] == 6 * 2
     gen = {k.split('"')[1] for k in m if k.startswith("batch:generation_tokens_total{")}
     ttft = {k.split('"')[1] for k in m if k.startswith("batch:user_time_to_first_token_seconds_count{")}
     assert gen == ttft == labelled
 
 
 def test_the_servers_own_per_user_state_stays_bounded_over_many_users():
-    # outside the scheduler, the server keeps per user only its metric labels: the config's users
-    # and the first max_user_labels others; 20,000 more users add no label and no series
+    # outside the scheduler, the server keeps per user only its metric labels: the first
+    # max_user_labels users; 20,000 more users add no label and no series
     from batch.server.metrics import ServerMetrics
-    m = ServerMetrics(build_engine(time_scale=0.01)[0], known_users=("vip",), max_user_labels=10)
+    m = ServerMetrics(build_engine(time_scale=0.01)[0], max_user_labels=10)
     for i in range(20_000):
         label = m.user_label(f"u{i}")
         m.prompt_tokens.labels(label).inc(3)
         m.generation_tokens.labels(label).inc(1)
         m.user_ttft.labels(label).observe(0.01)
-    assert len(m._labels) == 11
+    assert len(m._labels) == 10
     series = {k for k in m.render().decode().splitlines() if k.startswith("batch:prompt_tokens_total{")}
-    assert len(series) == 11  # u0..u9 and "other" ("vip" has none yet)
+    assert len(series) == 11  # u0..u9 and "other"
 
 
 @pytest.mark.parametrize("sig, times", [("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])

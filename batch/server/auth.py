@@ -16,15 +16,19 @@ four modes, chosen at start-up (``batch serve``'s flags):
 * **shared** (none of them): every request is ``anonymous``: one fair share for all, which no
   client can escape by naming itself.
 
-Keys are compared as SHA-256 digests with ``hmac.compare_digest``, against every configured key
-(no early exit), so the time taken tells nothing of how much of a key was right, nor its length.
-Keys are never logged, put in an error message or exported (the identity is the user name the
-config maps the key to). Standard library only.
+A presented key is hashed (SHA-256) and its digest looked up in a dict of the configured keys'
+digests: O(1) whatever the number of keys (about 1 us; the scan it replaces cost 5 ms a request at
+100,000 keys). The time taken tells nothing useful of the key: what a lookup compares is a digest of
+the attacker's own input, so learning where a digest differs from a stored one (a dict's hash-bucket
+probe, a bytes comparison's early exit) is learning nothing about any key, whose digest cannot be
+inverted. Only the digests are kept (the keys themselves are not), 32 bytes each plus the dict's
+slot; users named by many keys share one string. Keys are never logged, put in an error message or
+exported (the identity is the user name the config maps the key to). Standard library only.
 """
 from __future__ import annotations
 
 import hashlib
-import hmac
+import sys
 from typing import Mapping
 
 __all__ = ["ANONYMOUS", "MAX_USER_CHARS", "AuthError", "Identities", "KeyRing", "bearer_key"]
@@ -71,46 +75,50 @@ def _digest(key: str) -> bytes:
 
 
 class KeyRing:
-    """API key -> user, looked up in constant time.
+    """API key -> user, looked up in O(1) on the key's SHA-256 digest.
 
     Args:
-        api_keys: key -> user name (non-empty strings).
+        api_keys: key -> user name (non-empty strings), or a ``KeyRing`` (taken as it is).
 
     Raises:
         ValueError: a key or user that is not a non-empty string.
 
-    Cost: ``user_of`` hashes the key once and compares 32 bytes per configured key
-    (``hmac.compare_digest``, all of them every time): O(keys), about 0.2 us a key.
+    Memory: one 32-byte digest (a 65-byte ``bytes``) and one dict slot per key; equal user names
+    are stored once (``sys.intern``), so the raw config can be dropped after this is built.
     """
 
-    def __init__(self, api_keys: Mapping[str, str]) -> None:
-        entries = []
+    __slots__ = ("_users",)
+
+    def __init__(self, api_keys: "Mapping[str, str] | KeyRing") -> None:
+        if isinstance(api_keys, KeyRing):
+            self._users: dict[bytes, str] = api_keys._users
+            return
+        users: dict[bytes, str] = {}
         for k, u in api_keys.items():
             if not (isinstance(k, str) and k and isinstance(u, str) and u):
                 raise ValueError("api_keys: every key and user must be a non-empty string")
-            entries.append((_digest(k), u))
-        self._entries = tuple(entries)
+            users[_digest(k)] = sys.intern(u)
+        self._users = users
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._users)
+
+    def users(self) -> set[str]:
+        """The distinct users the keys name."""
+        return set(self._users.values())
 
     def user_of(self, key: str | None) -> str | None:
         """The user of ``key``, or ``None`` when it is not a configured key (or is ``None``)."""
         if key is None:
             return None
-        d = _digest(key)
-        found = None
-        for digest, user in self._entries:  # every entry, no early exit
-            if hmac.compare_digest(d, digest):
-                found = user
-        return found
+        return self._users.get(_digest(key))
 
 
 class Identities:
     """The server's rule for who a request is (module doc).
 
     Args:
-        api_keys: key -> user; non-empty turns authentication on.
+        api_keys: key -> user (or a ``KeyRing``); non-empty turns authentication on.
         trust_user_field: without keys, take the body's ``user``.
         user_header: without keys, take this header's value (a trusted gateway's).
 
@@ -120,7 +128,7 @@ class Identities:
             name, or what ``KeyRing`` refuses.
     """
 
-    def __init__(self, api_keys: Mapping[str, str] | None = None, *, trust_user_field: bool = False,
+    def __init__(self, api_keys: "Mapping[str, str] | KeyRing | None" = None, *, trust_user_field: bool = False,
                  user_header: str | None = None) -> None:
         self.keys = KeyRing(api_keys or {})
         if self.keys and trust_user_field:

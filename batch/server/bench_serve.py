@@ -252,9 +252,16 @@ def summarize(results: Sequence[Result], duration_s: float, *, slo_ttft_ms: floa
 # ---------------------------------------------------------------- the server's side
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    """The server's ``/metrics`` as ``{series: value}`` (labels kept in the key)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The server's ``/metrics`` as ``{series: value}`` (labels kept in the key); ``headers``
+    carry a key where ``/metrics`` needs one.
+
+    Raises:
+        httpx.HTTPStatusError: ``/metrics`` did not answer 200 (a 401 without a key).
+    """
+    r = httpx.get(f"{base_url}/metrics", timeout=30, headers=headers)
+    r.raise_for_status()
+    text = r.text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
