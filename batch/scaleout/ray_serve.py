@@ -706,6 +706,7 @@ class Ingress:
         counters: the ``CountersActor``: ``/metrics`` then has its size and memory
             (``batch:counter_store_users``, ``batch:counter_store_forgotten_total``,
             ``batch:counter_store_resident_memory_bytes``).
+        auth_failure_delay_s: seconds before a 401 is answered (>= 0; the single server's tarpit).
 
     Raises:
         ValueError: ``metrics_period_s`` not > 0; ``max_body_bytes`` or ``kv_cap_blocks`` < 1;
@@ -715,7 +716,8 @@ class Ingress:
     def __init__(self, replicas: Any, model_name: str = "batch-sim", metrics_board: Any = None,
                  metrics_period_s: float = 1.0, max_body_bytes: int = 4 * 1024 * 1024,
                  kv_cap_blocks: int | None = None, identities: Identities | None = None,
-                 metrics_need_key: bool | None = None, counters: Any = None) -> None:
+                 metrics_need_key: bool | None = None, counters: Any = None,
+                 auth_failure_delay_s: float = 0.1) -> None:
         from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
 
         if not metrics_period_s > 0:
@@ -729,6 +731,9 @@ class Ingress:
         if metrics_need_key and not self.identities.required:
             raise ValueError("metrics_need_key needs API keys: there is no key to ask for")
         self.metrics_need_key = self.identities.required if metrics_need_key is None else metrics_need_key
+        if not 0 <= auth_failure_delay_s < math.inf:
+            raise ValueError(f"auth_failure_delay_s must be a finite number >= 0, got {auth_failure_delay_s!r}")
+        self.auth_failure_delay_s = auth_failure_delay_s
         self.counters = counters
         self.max_body_bytes = max_body_bytes
         self.max_prompt_tokens = blocks * KV_BLOCK_TOKENS - 1  # one slot kept for the first output token
@@ -808,6 +813,8 @@ class Ingress:
                 return Response(await self.metrics_text(), media_type=CONTENT_TYPE)
             principal = self.identities.authenticate(request.headers) if path.startswith("/v1") else None
         except AuthError as e:
+            if e.status == 401 and self.auth_failure_delay_s:  # a tarpit for made-up keys, as the single server's
+                await asyncio.sleep(self.auth_failure_delay_s)
             return self._reject_api(ApiError.of(e))
         if request.method != "POST" or path != "/v1/completions":
             return self._reject(404, f"no route {request.method} {request.url.path}")
@@ -1060,7 +1067,7 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
                max_body_bytes: int = 4 * 1024 * 1024, api_keys: dict[str, str] | None = None,
                trust_user_field: bool = False, user_header: str | None = None,
                metrics_need_key: bool | None = None, shutdown_timeout_s: float = 10.0,
-               timeout_keep_alive_s: float = 5.0) -> None:
+               timeout_keep_alive_s: float = 5.0, auth_failure_delay_s: float = 0.1) -> None:
     """``batch serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
     ``replicas`` engine replicas and the ``Ingress`` on ``http://host:port`` (``/v1/completions``,
     ``/health``, ``/metrics``); blocks until interrupted.
@@ -1085,6 +1092,7 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
         timeout_keep_alive_s: the proxy's idle keep-alive timeout (Serve's ``keep_alive_timeout_s``, whole
             seconds, rounded up). Serve's proxy is its own uvicorn: the head timeout, connection cap and
             head size cap of ``batch.server.limits`` do not apply to it (docs/server.md, "Connections").
+        auth_failure_delay_s: the ``Ingress``'s delay before a 401 (``ServerConfig.auth_failure_delay_s``).
 
     Raises:
         TypeError: ``replicas`` not an int.
@@ -1113,7 +1121,7 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
         ingress = serve.run(Ingress.bind(app, metrics_board=board, metrics_period_s=metrics_period_s,
                                          max_body_bytes=max_body_bytes, kv_cap_blocks=kv_cap_blocks,
                                          identities=identities, metrics_need_key=metrics_need_key,
-                                         counters=counters),
+                                         counters=counters, auth_failure_delay_s=auth_failure_delay_s),
                             name="batch", route_prefix="/")
         _interrupt_on(signal.SIGINT, signal.SIGTERM)
         while True:

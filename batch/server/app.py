@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -102,6 +103,12 @@ class ServerConfig:
             is served with ``app.state.guard.uvicorn_config(app, ...)`` (``batch serve`` does).
         disable_fastapi_docs: no ``/docs``, ``/redoc`` nor ``/openapi.json`` (vLLM's flag);
             they are off anyway when ``api_keys`` are configured.
+        auth_failure_delay_s: a 401 is answered after this many seconds (>= 0): a client
+            flooding made-up keys on one connection gets at most ``1 / auth_failure_delay_s``
+            answers a second, each costing the server the same as before, for nothing.
+        metrics_min_interval_s: ``/metrics`` renders at least this far apart (>= 0): each scrape
+            gets a render begun after it arrived (never a stale one), concurrent scrapes share
+            one, so scrapers in a loop cost at most one render per interval.
     """
 
     model_name: str = "batch-sim"
@@ -116,6 +123,8 @@ class ServerConfig:
     max_user_labels: int = 100
     limits: HttpLimits = field(default_factory=HttpLimits)
     disable_fastapi_docs: bool = False
+    auth_failure_delay_s: float = 0.1
+    metrics_min_interval_s: float = 0.1
 
 
 class ApiError(Exception):
@@ -300,6 +309,9 @@ class _Server:
             raise ValueError(f"max_waiting must be >= 1, got {cfg.max_waiting}")
         if cfg.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {cfg.max_body_bytes}")
+        for name in ("auth_failure_delay_s", "metrics_min_interval_s"):
+            if not 0 <= getattr(cfg, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(cfg, name)!r}")
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.identities = Identities(cfg.api_keys, trust_user_field=cfg.trust_user_field, user_header=cfg.user_header)
         if cfg.metrics_need_key and not self.identities.required:
@@ -309,6 +321,7 @@ class _Server:
         rejected = self.metrics.rejected
         self.guard = ConnectionGuard(cfg.limits, on_reject=lambda status: rejected.labels(str(status)).inc())
         self.metrics.registry.register(self.guard)
+        self.metrics_text = SpacedRenders(self.metrics.render, cfg.metrics_min_interval_s)
         self.waiting = 0  # accepted, no first token or end yet (event loop only)
         self.created = int(time.time())
         self.max_prompt_tokens = engine.scheduler.config.max_model_len_tokens - 1
@@ -425,6 +438,48 @@ class _Server:
             self.engine.abort(sink)
 
 
+class SpacedRenders:
+    """Renders of a text (``/metrics``) at least ``min_interval_s`` apart, each in a worker thread
+    (off the event loop), shared by the callers that wait for the same render.
+
+    ``get`` returns a render begun after the call (never an older one): a call joins the render
+    waiting for its turn if there is one, else starts one, which waits until ``min_interval_s``
+    after the previous render's end. So any number of callers in a loop cost at most one render
+    per ``min_interval_s`` (plus their HTTP requests), and a lone caller waits at most that long.
+
+    Args:
+        render: the render (thread-safe; called in the loop's default executor).
+        min_interval_s: seconds between a render's end and the next one's start (>= 0).
+    """
+
+    def __init__(self, render: Any, min_interval_s: float) -> None:
+        self.render, self.min_interval_s = render, min_interval_s
+        self._next: asyncio.Future | None = None  # the render not yet begun, which new callers join
+        self._last: asyncio.Future | None = None  # the latest render task (begun or not)
+        self._free_at = 0.0  # loop time the next render may begin
+        self.renders = 0
+
+    async def get(self) -> Any:
+        """A render begun after this call."""
+        if self._next is None:
+            self._next = self._last = asyncio.ensure_future(self._run(self._last))
+        return await asyncio.shield(self._next)
+
+    async def _run(self, previous: asyncio.Future | None) -> Any:
+        loop = asyncio.get_running_loop()
+        if previous is not None:
+            await asyncio.wait((previous,))  # one render at a time
+        wait = self._free_at - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._next = None  # from here on, a new caller waits for the next render: this one began before it
+        try:
+            return await loop.run_in_executor(None, self.render)
+        finally:
+            self.renders += 1
+            self._free_at = loop.time() + self.min_interval_s
+
+
 async def _wait_disconnect(request: Request) -> None:
     """Return when the client disconnects (or the response is complete: uvicorn says so too)."""
     while True:
@@ -537,6 +592,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         rejected.labels(str(e.status)).inc()
+        if e.status == 401 and cfg.auth_failure_delay_s:  # a tarpit for made-up keys (ServerConfig)
+            await asyncio.sleep(cfg.auth_failure_delay_s)
         return e.response()
 
     @app.exception_handler(Exception)
@@ -575,8 +632,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
                 srv.identities.check_key(request.headers)
             except AuthError as e:
                 raise ApiError.of(e) from None
-        text = await asyncio.get_running_loop().run_in_executor(None, srv.metrics.render)  # off the loop
-        return Response(text, media_type=CONTENT_TYPE)
+        return Response(await srv.metrics_text.get(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

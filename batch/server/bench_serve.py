@@ -6,6 +6,7 @@
     batch bench-serve --ab-burst --ab-seeds 4,5,6                         # the A/B fairness burst over HTTP
     batch bench-serve --num-prompts 10000 --disconnect-prob 0.3 --check-drained
     batch bench-serve --sybil one-key,made-up-keys --honest-key sk-alice --attacker-key sk-mallory
+    batch bench-serve --attack idle-sockets,slow-headers,scrape,401-flood --honest-key sk-alice
 
 Every request streams (``/v1/completions``, ``stream: true``) over ``httpx`` (async). Client
 times, per request: TTFT (send to the first chunk), ITL (between chunks), TPOT ((e2el - TTFT)
@@ -37,6 +38,10 @@ and a random ``user`` per request). It prints the attacker's share of the tokens
 Start the server with ``--eos-probability 0`` so that streams do not end early. Per-user state
 carries over from one attack to the next (a fresh server per attack measures each alone); the
 honest party starts first, so an attacker's own history can only lower its share.
+
+``--attack idle-sockets,slow-headers,scrape,401-flood`` measures what connection and request
+floods cost honest clients: per attack, the honest completions per second alone and attacked, and
+``/health`` and a keyed request's latency meanwhile (``batch.server.bench_attacks``).
 """
 from __future__ import annotations
 
@@ -603,6 +608,30 @@ def _sybil_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
     return 1 if over else 0
 
 
+def _attack_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -> int:
+    """``--attack``: each attack in turn (``batch.server.bench_attacks``); three lines each, or JSON."""
+    from batch.server import bench_attacks  # noqa: PLC0415
+
+    attacks = a.attack.split(",")
+    bad = [x for x in attacks if x not in bench_attacks.ATTACKS]
+    if bad:
+        p.error(f"--attack: unknown attack(s) {', '.join(bad)}; choose among {', '.join(bench_attacks.ATTACKS)}")
+    if not a.attack_duration_s > 0 or min(a.attack_honest_concurrency, a.attack_sockets, a.attack_clients) < 1:
+        p.error("--attack-duration-s must be > 0; --attack-honest-concurrency, --attack-sockets, --attack-clients >= 1")
+    rows = []
+    for attack in attacks:
+        rows.append(bench_attacks.attack_phase(base, attack, honest_key=a.honest_key, attacker_key=a.attacker_key,
+                                               duration_s=a.attack_duration_s,
+                                               honest_concurrency=a.attack_honest_concurrency,
+                                               sockets=a.attack_sockets, clients=a.attack_clients))
+        if not a.json:
+            print(bench_attacks.format_phase(rows[-1]), flush=True)
+        time.sleep(1.0)
+    if a.json:
+        print(bench_attacks.results_json(rows))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``batch bench-serve``; returns the exit status (1 when ``--check-drained`` fails or a
     request was lost, 2 for a bad argument)."""
@@ -640,6 +669,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sybil-max-tokens", type=int, default=100_000, help="--sybil: max_tokens of each request")
     p.add_argument("--sybil-max-share", type=float, default=None,
                    help="--sybil: exit 1 if an attacker's share of the tokens is above this")
+    p.add_argument("--attack", default=None, metavar="ATTACKS",
+                   help="honest throughput alone and under each attack, comma-separated, of: idle-sockets, "
+                        "slow-headers, scrape, 401-flood (batch.server.bench_attacks); --honest-key, --attacker-key")
+    p.add_argument("--attack-duration-s", type=float, default=10.0, help="--attack: seconds of each window (default 10)")
+    p.add_argument("--attack-honest-concurrency", type=int, default=16,
+                   help="--attack: honest streams kept going (default 16)")
+    p.add_argument("--attack-sockets", type=int, default=1100,
+                   help="--attack idle-sockets, slow-headers: connections held (default 1100)")
+    p.add_argument("--attack-clients", type=int, default=4,
+                   help="--attack scrape, 401-flood: keep-alive connections flooding (default 4)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -653,6 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if a.sybil:
         return _sybil_main(p, a, base)
+
+    if a.attack:
+        return _attack_main(p, a, base)
 
     if a.ab_burst:
         rows = [ab_burst_ratio(base, int(s), a.ab_window_s, a.ab_drop_after_b) for s in a.ab_seeds.split(",")]

@@ -167,11 +167,21 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "finite number > 0"
 
 
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < math.inf:
+        raise ValueError(text)
+    return v
+
+
+_non_negative_float.__name__ = "finite number >= 0"
+
+
 #: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
 #: when set to anything but their default (rather than silently ignored).
 _NOT_WITH_REPLICAS = ("max_running", "max_waiting", "prefix_caching", "served_model_name", "max_user_labels",
                       "log_level", "device", "dtype", "timeout_headers", "limit_concurrency",
-                      "h11_max_incomplete_event_size", "h11_max_header_count")
+                      "h11_max_incomplete_event_size", "h11_max_header_count", "metrics_min_interval")
 
 
 def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
@@ -209,7 +219,7 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                    kv_cap_blocks=a.kv_cap_blocks,
                    max_body_bytes=a.max_body_bytes, api_keys=users.api_keys, trust_user_field=a.trust_user_field,
                    user_header=a.user_header, metrics_need_key=a.metrics_auth, shutdown_timeout_s=a.shutdown_timeout,
-                   timeout_keep_alive_s=a.timeout_keep_alive)
+                   timeout_keep_alive_s=a.timeout_keep_alive, auth_failure_delay_s=a.auth_failure_delay)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -263,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics needs one of the config's API keys too (default: yes when the config has "
                         "api_keys, else open as /health; --no-metrics-auth opens it for a scraper inside the network)")
+    p.add_argument("--metrics-min-interval", type=_non_negative_float, default=0.1,
+                   help="seconds between two /metrics renders; each scrape gets a render begun after it arrived, "
+                        "concurrent scrapes share one (default 0.1)")
+    p.add_argument("--auth-failure-delay", type=_non_negative_float, default=0.1,
+                   help="seconds before a 401 is answered: a client trying made-up keys gets at most 1/DELAY "
+                        "answers a second per connection (default 0.1)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc nor /openapi.json (always off when the config has api_keys)")
     p.add_argument("--max-user-labels", type=int, default=100,
@@ -328,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field,
                            user_header=a.user_header, metrics_need_key=a.metrics_auth,
                            max_user_labels=a.max_user_labels, limits=limits,
-                           disable_fastapi_docs=a.disable_fastapi_docs)
+                           disable_fastapi_docs=a.disable_fastapi_docs, auth_failure_delay_s=a.auth_failure_delay,
+                           metrics_min_interval_s=a.metrics_min_interval)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
