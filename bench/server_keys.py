@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scrapes", type=int, default=30)
     p.add_argument("--server-args", default="", help="more batch serve arguments (one string)")
     a = p.parse_args(argv)
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs at the start", flush=True)
     keys = {f"sk-{secrets.token_hex(16)}": f"user{i}" for i in range(a.keys)}
     good_us, bad_us = key_check_us(keys)
     print(f"{a.keys:,} configured keys (a user each): key check {good_us:.2f} us for a configured key, "

@@ -166,9 +166,11 @@ def test_replicas_with_keys_answer_401_without_a_valid_key_and_serve_the_keys_us
         sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-honest\r\n"
                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"")
         time.sleep(0.2)
+    _assert_401(httpx.get(f"{url}/metrics", timeout=60))  # with keys, /metrics needs one too by default
     deadline = time.monotonic() + 30  # the replicas push their metrics every second
     while True:
-        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text)}
+        scraped = httpx.get(f"{url}/metrics", timeout=60, headers={"Authorization": "Bearer sk-honest"})
+        fams = {f.name: f for f in text_string_to_metric_families(scraped.text)}
         users = {smp.labels.get("user") for smp in fams["batch:generation_tokens"].samples} - {None}
         if users or time.monotonic() > deadline:
             break
@@ -178,7 +180,7 @@ def test_replicas_with_keys_answer_401_without_a_valid_key_and_serve_the_keys_us
     assert fams["batch:counter_store_resident_memory_bytes"].samples[0].value > 0
     rejected = {smp.labels["code"]: smp.value for smp in fams["batch:request_rejected"].samples
                 if "code" in smp.labels}
-    assert rejected.get("401") == 5 and rejected.get("400") == 2 and "500" not in rejected, rejected
+    assert rejected.get("401") == 6 and rejected.get("400") == 2 and "500" not in rejected, rejected
 
 
 def test_replicas_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_only_401s(replicas_server):

@@ -57,7 +57,7 @@ class GuardedServer:
     """``create_app`` served as ``batch serve`` serves it (``app.state.guard.uvicorn_config``: the
     connection limits on), uvicorn in a daemon thread on a free port."""
 
-    def __init__(self, cfg: ServerConfig | None = None, **engine_kw) -> None:
+    def __init__(self, cfg: ServerConfig | None = None, base: type | None = None, **engine_kw) -> None:
         engine_kw.setdefault("time_scale", 0.05)
         engine, tok, name = build_engine(**engine_kw)
         cfg = cfg or ServerConfig()
@@ -68,7 +68,7 @@ class GuardedServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = self.app.state.guard.uvicorn_config(self.app, log_level="warning", access_log=False)
+        config = self.app.state.guard.uvicorn_config(self.app, base, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -151,6 +151,19 @@ def _raw_answer(port: int, data: bytes, timeout_s: float = 10.0) -> tuple[int, d
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(ln.split(": ", 1) for ln in lines[1:] if ": " in ln)
     return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def _is_closed(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (read without waiting)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
 
 
 def _closed_within(sock: socket.socket, seconds: float, trickle: bytes | None = None) -> float | None:
@@ -249,22 +262,22 @@ def test_at_the_connection_cap_the_longest_idle_connection_makes_room_and_a_busy
         time.sleep(0.3)
         r = httpx.get(f"{s.url}/health", timeout=10)  # evicts the idle one waiting longest
         assert r.status_code == 200
-        evicted = sum(1 for sk in idle if _closed_within(sk, 0.05) is not None)
+        time.sleep(0.2)
+        evicted = sum(1 for sk in idle if _is_closed(sk))
         for sk in idle:
             sk.close()
         # now 40 busy connections (endless streams): the 41st is refused with a 503 in OpenAI's shape
-        streams, clients = [], []
-        for _ in range(40):
-            c = httpx.Client(base_url=s.url, timeout=30)
-            resp = c.send(c.build_request("POST", "/v1/completions",
-                                          json={"prompt": "a", "max_tokens": 100_000, "stream": True}), stream=True)
-            assert resp.status_code == 200
-            clients.append(c)
-            streams.append(resp)
-        refused = httpx.get(f"{s.url}/health", timeout=10)
-        for resp, c in zip(streams, clients):
-            resp.close()
-            c.close()
+        streams = []
+        with httpx.Client(base_url=s.url, timeout=30, limits=httpx.Limits(max_connections=50)) as c:
+            for _ in range(40):  # each stream holds its own connection
+                resp = c.send(c.build_request("POST", "/v1/completions",
+                                              json={"prompt": "a", "max_tokens": 100_000, "stream": True}),
+                              stream=True)
+                assert resp.status_code == 200
+                streams.append(resp)
+            refused = httpx.get(f"{s.url}/health", timeout=10)
+            for resp in streams:
+                resp.close()
         time.sleep(0.5)
         m = s.metrics()
     assert evicted >= 20 and m["batch:http_connections_evicted_total"] >= 21
@@ -298,6 +311,26 @@ def test_a_nul_byte_in_a_key_gets_an_error_in_openai_shape():
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"} and "sk-" not in err["message"]
     assert m[f'batch:request_rejected_total{{code="{status}"}}'] == 1
+
+
+def test_the_guard_holds_on_uvicorns_h11_parser_too():
+    # uvicorn falls back to h11 without httptools: the same timeout, caps and JSON 400
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from batch.server.limits import HttpLimits
+    with GuardedServer(ServerConfig(limits=HttpLimits(timeout_headers=1.0)), base=H11Protocol) as s:
+        with httpx.Client(base_url=s.url) as c:
+            for _ in range(30):
+                assert c.get("/health").status_code == 200
+        slow = socket.create_connection(("127.0.0.1", s.port))
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        closed = _closed_within(slow, 8.0, trickle=b"X-Slow: 1\r\n")
+        slow.close()
+        big = _raw_answer(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+        nul = _raw_answer(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\x00b\r\n\r\n")
+        m = s.metrics()
+    assert closed is not None and m["batch:http_header_timeouts_total"] == 1
+    assert big[0] == 431 and nul[0] == 400 and nul[1]["content-type"] == "application/json"
 
 
 def test_batch_serve_refuses_bad_connection_limits_naming_them(capsys):

@@ -161,6 +161,13 @@ STEPS: tuple[Step, ...] = (
         _serve("--replicas 2 --config keys.toml --eos-probability 0",
                "--sybil one-key,key-random-user,made-up-keys --honest-key sk-alice --attacker-key sk-mallory"),
     ), _results("serve-sybil"), opt_in="about 3 minutes, real time; --replicas 2 needs Ray (the scaleout extra)"),
+    Step("serve-attacks", (
+        _serve("--config keys.toml", "--attack idle-sockets,slow-headers,scrape,401-flood --honest-key sk-alice"),
+        _serve("--config keys.toml --no-metrics-auth", "--attack scrape --honest-key sk-alice"),
+        _serve("--config keys.toml", "--attack 401-flood --attack-clients 64 --honest-key sk-alice"),
+    ), _results("serve-attacks"), opt_in="about 3 minutes, real time"),
+    Step("server-keys", (_py("bench/server_keys.py", "--keys", "100000", "--active", "5000"),),
+         _results("server-keys"), opt_in="about a minute, real time"),
     Step("user-churn", (_py("bench/user_churn.py", "--users", "20000"),
                         _py("bench/user_churn.py", "--users", "20000", "--replicas", "2")), _results("user-churn"),
          opt_in="--replicas 2 needs Ray (the scaleout extra)"),

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-__all__ = ["ATTACKS", "attack_phase", "format_phase"]
+__all__ = ["ATTACKS", "attack_phase", "format_phase", "context"]
 
 #: The attacks ``attack_phase`` runs.
 ATTACKS = ("idle-sockets", "slow-headers", "scrape", "401-flood")
@@ -288,6 +288,28 @@ def attack_phase(base_url: str, attack: str, *, honest_key: str | None = None, a
     change = (a["per_s"] - b["per_s"]) / b["per_s"] if b["per_s"] else float("nan")
     return {"attack": attack, "baseline": b, "attacked": a, "change": change, "attacker": counts,
             "duration_s": duration_s, "honest_concurrency": honest_concurrency, "connections": n}
+
+
+def context(base_url: str, key: str | None = None) -> str:
+    """One line: this machine's load and CPUs, the server's open-files limit and connection cap
+    (from ``/metrics``, with ``key`` when given)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    line = f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs at the start"
+    try:
+        r = httpx.get(f"{base_url}/metrics", timeout=10, headers={"Authorization": f"Bearer {key}"} if key else None)
+    except httpx.HTTPError:
+        return line
+    if r.status_code != 200:
+        return line + " (server's /metrics needs a key)"
+    vals = {}
+    for ln in r.text.splitlines():
+        k, _, v = ln.rpartition(" ")
+        if k in ("process_max_fds", "batch:http_connections_limit"):
+            vals[k] = float(v)
+    if vals:
+        line += (f"; the server's open-files limit {vals.get('process_max_fds', float('nan')):.0f}, connection cap "
+                 f"{vals.get('batch:http_connections_limit', float('nan')):.0f}")
+    return line
 
 
 def format_phase(r: dict[str, Any]) -> str:

@@ -619,6 +619,8 @@ def _attack_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -
     if not a.attack_duration_s > 0 or min(a.attack_honest_concurrency, a.attack_sockets, a.attack_clients) < 1:
         p.error("--attack-duration-s must be > 0; --attack-honest-concurrency, --attack-sockets, --attack-clients >= 1")
     rows = []
+    if not a.json:
+        print(bench_attacks.context(base, a.honest_key), flush=True)
     for attack in attacks:
         rows.append(bench_attacks.attack_phase(base, attack, honest_key=a.honest_key, attacker_key=a.attacker_key,
                                                duration_s=a.attack_duration_s,

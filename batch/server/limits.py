@@ -169,12 +169,12 @@ class ConnectionGuard:
         mixin = _H11Guard if H11Protocol is not None and issubclass(base, H11Protocol) else _HttpToolsGuard
         return type(f"Guarded{base.__name__}", (mixin, base), {"_guard": self})
 
-    def uvicorn_config(self, app: Any, **kwargs: Any) -> Any:
-        """``uvicorn.Config(app, **kwargs)`` with this guard's protocol, keep-alive timeout and
-        h11 head limit."""
+    def uvicorn_config(self, app: Any, base: type | None = None, **kwargs: Any) -> Any:
+        """``uvicorn.Config(app, **kwargs)`` with this guard's protocol (over ``base``, as
+        ``protocol_class``), keep-alive timeout and h11 head limit."""
         import uvicorn  # noqa: PLC0415
 
-        return uvicorn.Config(app, http=self.protocol_class(), timeout_keep_alive=self.limits.timeout_keep_alive,
+        return uvicorn.Config(app, http=self.protocol_class(base), timeout_keep_alive=self.limits.timeout_keep_alive,
                               h11_max_incomplete_event_size=self.limits.h11_max_incomplete_event_size, **kwargs)
 
     def _evict_one(self) -> bool:
