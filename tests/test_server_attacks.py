@@ -411,6 +411,68 @@ def test_no_body_gets_a_500_each_is_a_4xx_in_openai_shape_and_the_connection_sta
     assert not any("code=\"500\"" in k for k in m)
 
 
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "user", "model",
+          "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "logit_bias", "top_k", "min_p",
+          "repetition_penalty", "n", "best_of", "echo", "logprobs", "suffix", "stop", "role", "content", "text",
+          "type", "include_usage"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_client():
+    from starlette.testclient import TestClient
+    engine, tok, name = build_engine(time_scale=0.01, kv_cap_blocks=8)  # 128-token cache: any request ends fast
+    with TestClient(create_app(engine, tok, ServerConfig(model_name=name)), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+    scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+               | st.text(max_size=20) | st.sampled_from(["user", "text", "system", "batch-sim", ""]))
+    values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4)
+                          | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), kids, max_size=4),
+                          max_leaves=20)
+    bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
+    return st, bodies
+
+
+def _check_no_500(r) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_random_json_bodies_never_get_a_500(fuzz_client):
+    from hypothesis import given, settings
+    st, bodies = _fuzz_strategies()
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(bodies, st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    def check(body, path):
+        raw = json.dumps(body, allow_nan=True).encode()
+        _check_no_500(fuzz_client.post(path, content=raw, headers={"content-type": "application/json"}))
+
+    check()
+
+
+def test_random_bytes_and_mutated_bodies_never_get_a_500(fuzz_client):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    valid = b'{"prompt": "a b", "max_tokens": 3, "stream": true, "messages": [{"role": "user", "content": "x"}]}'
+
+    junk = st.binary(max_size=8) | st.sampled_from([b"9" * 5000, b"-" + b"9" * 4400, b"[" * 100_000, b"[" * 900,
+                                                     b'"\\ud800"', b"\xff\xfe", b"\x00", b"NaN", b"1e999", b"{}"])
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.binary(max_size=200) | st.builds(lambda at, junk, cut: valid[:at] + junk + valid[at + cut:],
+                                               st.integers(0, len(valid)), junk, st.integers(0, 4)),
+           st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    def check(raw, path):
+        _check_no_500(fuzz_client.post(path, content=raw, headers={"content-type": "application/json"}))
+
+    check()
+
+
 def test_a_token_id_past_int32_is_refused_when_the_backend_has_no_vocabulary():
     with GuardedServer() as s:
         for ids in ([10**20], [2**31], [-1]):
