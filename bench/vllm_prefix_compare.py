@@ -110,6 +110,7 @@ class CachedRun:
     hits: int
     new_queries: int | None = None  # the fresh requests' alone (vLLM's exported counters); None: not kept apart
     new_hits: int | None = None
+    isolated_steps: int | None = None  # Batch's isolated iterations (light users' prefill, the rest sit out)
 
     @property
     def hit_rate(self) -> float:
@@ -149,7 +150,7 @@ def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, nam
     objs = [Request(user_id=r.user, prompt=list(r.prompt), max_tokens=r.output_tokens, request_id=r.rid,
                     submitted_at=0.0 if at_once else r.arrival_s) for r in reqs]
     meter = vc._MeteredBatch(functools.partial(factory, prefix_caching=prefix_caching))
-    fresh = [0, 0]  # fresh admissions' looked-up and hit tokens
+    fresh = [0, 0, 0]  # fresh admissions' looked-up and hit tokens; isolated iterations
 
     def counting(**kw):
         sched = meter(**kw)
@@ -158,7 +159,9 @@ def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, nam
         def counted_tick():
             done = tick()
             plan = sched._last[0]  # the tick's plan (batch.core.state.Plan): its admissions and their hits
-            if plan is not None and plan.num_admitted:
+            if plan is not None:
+                fresh[2] += bool(plan.isolated)
+            if prefix_caching and plan is not None and plan.num_admitted:
                 for seq in plan.seqs[len(plan.seqs) - plan.num_admitted:]:
                     if seq.num_preemptions == 0:
                         fresh[0] += seq.num_prompt_tokens
@@ -167,7 +170,7 @@ def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, nam
         sched.tick = counted_tick
         return sched
     wall = time.perf_counter()
-    res = simulate.run_workload(objs, make_scheduler=counting if prefix_caching else meter, virtual=True,
+    res = simulate.run_workload(objs, make_scheduler=counting, virtual=True,
                                 gpu_seed=None, base_s=vc.BASE_S, per_request_s=vc.PER_REQUEST_S, eos_probability=0.0,
                                 gpu=clock.gpu, prefill_chunk_tokens=chunk_tokens, **clock.batch_kwargs())
     wall = time.perf_counter() - wall
@@ -178,7 +181,8 @@ def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, nam
     m = res.scheduler.metrics()
     run = vc.Run(name, timings, preemptions=m["preemptions"], steps=meter.steps,
                  sched_cpu_s=meter.tick_cpu_s - meter.forward_cpu_s, wall_s=wall, **vc.batch_counts(m))
-    return CachedRun(run, m.get("prefix_cache_queries", 0), m.get("prefix_cache_hits", 0), fresh[0], fresh[1])
+    return CachedRun(run, m.get("prefix_cache_queries", 0), m.get("prefix_cache_hits", 0), fresh[0], fresh[1],
+                     isolated_steps=fresh[2])
 
 
 def make_vllm_scheduler(threshold: int = vc.CHUNK_TOKENS, prefix_caching: bool = True, clock: vc.Clock = STUB,
@@ -324,8 +328,28 @@ def ab_shared_prompt_ratios(seeds: Sequence[int], prefix_caching: bool) -> tuple
     return ratios, hit
 
 
+def unbounded_hit_rate(reqs: Sequence[PromptRequest], block_tokens: int = BLOCK_TOKENS) -> float:
+    """The hit rate ``reqs`` would reach in arrival order with a cache that never evicts: each
+    prompt's leading full blocks (``batch.core.prefix_cache.block_keys``) seen in an earlier prompt,
+    in tokens, over all prompt tokens. What the trace window allows; a real cache evicts."""
+    from batch.core.prefix_cache import block_keys  # noqa: PLC0415
+
+    seen: set = set()
+    hit = total = 0
+    for r in sorted(reqs, key=lambda r: r.arrival_s):
+        keys = block_keys(r.prompt, block_tokens)
+        k = 0
+        while k < len(keys) and keys[k] in seen:
+            k += 1
+        hit += k * block_tokens
+        total += len(r.prompt)
+        seen.update(keys)
+    return hit / total if total else 0.0
+
+
 GPU_HEADER = ("| trace | chunking | load (rate, req/s) | scheduler | hit rate (all / fresh) | req/s | tok/s | "
-              "TTFT mean / p50 / p99 (s) | TPOT p50 / p99 (ms) | preemptions | steps | tokens / requests a step |")
+              "TTFT mean / p50 / p99 (s) | TPOT p50 / p99 (ms) | preemptions | steps (isolated) | "
+              "tokens / requests a step |")
 
 
 def gpu_row(trace: str, chunking: str, load: float, rate: float, c: CachedRun) -> str:
@@ -335,11 +359,11 @@ def gpu_row(trace: str, chunking: str, load: float, rate: float, c: CachedRun) -
     return (f"| `{trace}` | {chunking} | {load:.2f} ({rate:.2f}) | {c.run.name} | {c.hit_rate * 100:.2f}% / {fresh} | "
             f"{s.request_rate:.3f} | {s.throughput_tok_s:.0f} | {s.ttft_mean_s:.2f} / {s.ttft_p50_s:.2f} / "
             f"{s.ttft_p99_s:.2f} | {s.tpot_p50_s * 1e3:.1f} / {s.tpot_p99_s * 1e3:.1f} | {s.preemptions} | "
-            f"{s.steps} | {tok:.0f} / {seqs:.1f} |")
+            f"{s.steps}{'' if c.isolated_steps is None else f' ({c.isolated_steps})'} | {tok:.0f} / {seqs:.1f} |")
 
 
 def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: int, users: int, load: float,
-                cold: bool, vllm: bool) -> None:
+                cold: bool, vllm: bool, diagnose: bool = False) -> None:
     """Both Mooncake traces with prefix caching on both sides on a GPU clock, at its cache and
     limits, at ``load`` x the capacity of each chunking (``vllm_compare.CHUNKINGS``): the capacity
     is the steady-state completion rate of the rows all submitted at once, through vLLM with prefix
@@ -352,13 +376,18 @@ def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: i
           f"chunking (the steady-state completion rate of its rows all at time 0 through "
           f"{'vLLM with prefix caching' if vllm else 'Batch-FCFS with prefix caching (vllm not importable)'} at that "
           f"chunking: completions between the 10% and 90% marks over the time between them).\n")
+    print("Steps (isolated): Batch's iterations and, in brackets, those it ran isolated (a light user's prefill "
+          "while others sit out); tokens / requests a step: means over the non-empty steps.\n")
     print(GPU_HEADER)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for name in names:
         reqs, left_out = load_requests(folder / name, limit, users, clock=clock)
+        mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
         notes.append(f"`{name}`: {len(reqs)} rows run, {left_out} left out (prompt + output beyond the cache or "
-                     f"max_model_len {clock.max_model_len:,})")
+                     f"max_model_len {clock.max_model_len:,}); mean prompt {mean_prompt:,.0f} tokens, so the cache "
+                     f"holds {clock.kv_blocks * clock.block_tokens / mean_prompt:.0f} of them; hit rate these rows "
+                     f"would reach with a cache that never evicts: {unbounded_hit_rate(reqs) * 100:.1f}%")
         for label, thr, chunk in vc.CHUNKINGS:
             chunk = clock.max_num_batched_tokens if chunk is None else chunk
             short = f"thr {thr} / chunk {chunk}"
@@ -370,6 +399,12 @@ def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: i
             cap = vc.capacity(reqs, lambda r, at_once=False: ref(r, at_once=at_once).run, min_requests=0)
             scaled, rate = vc.at_load(reqs, load, cap)
             runners = [functools.partial(run_batch, clock=clock, chunk_tokens=chunk)]
+            if diagnose:  # what the difference from vLLM is made of: the order, then isolation
+                runners.append(functools.partial(run_batch, clock=clock, chunk_tokens=chunk, name="Batch-FCFS",
+                                                 factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k)))
+                runners.append(functools.partial(run_batch, clock=clock, chunk_tokens=chunk,
+                                                 name="Batch (isolation=False)",
+                                                 factory=lambda **k: Scheduler(isolation=False, **k)))
             if cold:
                 runners.append(functools.partial(run_batch, clock=clock, chunk_tokens=chunk, prefix_caching=False,
                                                  name="Batch (no prefix caching)"))
@@ -396,6 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=USERS, help=f"users the rows are spread over (default {USERS})")
     p.add_argument("--batch-only", action="store_true", help="Batch's side only (no vllm needed)")
     p.add_argument("--cold", action="store_true", help="also both schedulers with prefix caching off")
+    p.add_argument("--diagnose", action="store_true",
+                   help="on a GPU clock: also Batch-FCFS and Batch with isolation=False (both with prefix caching): "
+                        "what Batch's difference from vLLM is made of")
     p.add_argument("--gpu", default="stub",
                    help="comma-separated clocks: stub (5 ms + 1 ms per request; 2,048 blocks; the default) and/or a GPU "
                         "profile (h100-llama3-8b: its step cost, cache and limits on both sides, each trace at --load "
@@ -438,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stub_section(a, folder, names, LIMIT if a.limit is None else a.limit, vllm)
         else:
             gpu_section(clock, folder, names, limit=GPU_LIMIT if a.limit is None else a.limit, users=a.users,
-                        load=a.load, cold=a.cold, vllm=vllm)
+                        load=a.load, cold=a.cold, vllm=vllm, diagnose=a.diagnose)
     return 0
 
 

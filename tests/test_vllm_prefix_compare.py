@@ -112,3 +112,9 @@ def test_a_prefix_hit_shortens_the_first_token_on_the_gpu_clock(tmp_path):
     cold = {t.rid: t for t in vpc.run_batch(reqs, clock=h100, prefix_caching=False, name="cold").run.timings}
     assert warm["t0"].first_s == pytest.approx(cold["t0"].first_s)
     assert warm["t1"].first_s - warm["t1"].arrival_s < 0.5 * (cold["t1"].first_s - cold["t1"].arrival_s)
+
+
+def test_the_unbounded_hit_rate_counts_leading_blocks_seen_before(tmp_path):
+    reqs, _ = vpc.load_requests(write_trace(tmp_path, ROWS[:3]), limit=None)
+    # rows 2 and 3 share the first 1,024 tokens of row 1; nothing else repeats
+    assert vpc.unbounded_hit_rate(reqs) == pytest.approx(2 * (2 * B) / (3 * B + 3 * B + 2 * B + 5))
