@@ -524,7 +524,8 @@ def make_fair_scheduler(threshold: int = CHUNK_TOKENS, policy=None, clock: Clock
 def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: int = CHUNK_TOKENS,
              name: str = "vLLM", make: Callable[..., object] | None = None, clock: Clock = STUB) -> Run:
     """Replay ``reqs`` through vLLM's V1 scheduler on the simulated clock (same loop as Batch's);
-    ``make(threshold, clock=clock)`` builds the scheduler (default ``make_vllm_scheduler``). Each
+    ``make(threshold)`` builds the scheduler (``make(threshold, clock=clock)`` on a clock other than
+    ``STUB``; default ``make_vllm_scheduler``). Each
     request's user travels in ``sampling_params.extra_args["user"]`` (vLLM's own scheduler ignores it).
     An iteration costs ``clock.step_s`` of what vLLM scheduled (``vllm_items``).
 
@@ -533,7 +534,10 @@ def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: 
         RuntimeError: a request did not finish with exactly its output length.
     """
     v = _vllm()
-    sched = (make or make_vllm_scheduler)(threshold, clock=clock)
+    if make is None:
+        sched = make_vllm_scheduler(threshold, clock=clock)
+    else:  # a caller's factory takes the clock only off the stub (the plugin tests' take the threshold alone)
+        sched = make(threshold) if clock is STUB else make(threshold, clock=clock)
     pending = sorted(reqs, key=lambda r: 0.0 if at_once else r.arrival_s)
     nominal = {r.rid: 0.0 if at_once else r.arrival_s for r in reqs}
     out_len = {r.rid: r.output_tokens for r in reqs}
