@@ -220,3 +220,97 @@ def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
     cells = {name: rows[name].split("|") for name in ("T = 0", "T = 4096")}
     assert int(cells["T = 0"][-2]) <= 2  # lifted below the band, a light user early in a burst is served at once
     assert float(cells["T = 4096"][-3]) < float(cells["T = 0"][-3])  # weighted shares drift with the band
+
+
+# ----------------------------------------------------------------------------- the GPU clock (issue 41)
+
+H100 = vc.clock_for("h100-llama3-8b")
+
+
+def step(items) -> float:
+    return H100.profile.step_time_s(items)
+
+
+def test_the_stub_clock_keeps_the_seeds_latency_and_gives_both_sides_batchs_defaults():
+    assert vc.clock_for("stub") is vc.STUB and vc.STUB.step_s([(64, 0), (1, 9)]) == pytest.approx(0.007)
+    assert vc.STUB.step_s([]) == 0.0
+    assert vc.STUB.batch_kwargs() == {"kv_cap_blocks": 256, "block_tokens": 16, "token_budget_tokens": 4096,
+                                      "max_running": 256}
+    s = Scheduler()
+    assert (s.config.max_running, s.config.token_budget_tokens) == (vc.VLLM_MAX_SEQS, vc.VLLM_MAX_BATCHED_TOKENS)
+
+
+def test_a_gpu_clock_takes_the_profiles_limits_and_an_unknown_one_is_a_value_error():
+    assert (H100.kv_blocks, H100.max_num_batched_tokens, H100.max_num_seqs, H100.max_model_len) == (28094, 8192, 1024,
+                                                                                                   131072)
+    assert H100.fits(131000, 72) and not H100.fits(131000, 73)
+    with pytest.raises(ValueError, match="unknown GPU profile"):
+        vc.clock_for("b200-nope")
+
+
+@pytest.mark.parametrize("chunk, prefills", [(64, [(64, 0), (36, 64)]), (8192, [(100, 0)])])
+def test_batch_on_a_gpu_clock_pays_each_step_what_the_profile_prices(chunk, prefills):
+    run = vc.run_batch([T("r", "u1", 0.25, 100, 3)], clock=H100, chunk_tokens=chunk)
+    r = by_id(run)["r"]
+    first = sum(step([it]) for it in prefills)
+    assert r.first_s - r.arrival_s == pytest.approx(first)
+    assert r.done_s - r.arrival_s == pytest.approx(first + step([(1, 100)]) + step([(1, 101)]))
+    assert run.busy_steps == run.steps == len(prefills) + 2 and run.scheduled_tokens == 102
+
+
+def test_vllm_items_are_the_tokens_scheduled_and_those_computed_before_them():
+    from types import SimpleNamespace as NS
+    out = NS(num_scheduled_tokens={"a": 64, "b": 1})
+    sched = NS(requests={"a": NS(num_computed_tokens=128), "b": NS(num_computed_tokens=501)})
+    assert vc.vllm_items(sched, out) == [(64, 64), (1, 500)]  # schedule() already advanced the counts
+
+
+def test_capacity_is_the_completion_rate_between_the_10_and_90_percent_marks():
+    reqs = [T(f"r{i}", "u", 0.0, 4, 1) for i in range(10)]
+    seen = []
+
+    def runner(rs, at_once=False):
+        seen.append((len(rs), at_once))
+        return vc.Run("x", [vc.Timing(r.rid, "u", 0.0, 0.0, 0.0, (k + 1) ** 1.0 * 0.5, 1) for k, r in enumerate(rs)])
+    assert vc.capacity(reqs, runner, min_requests=25) == pytest.approx(2.0)  # one completion each 0.5 s
+    assert seen == [(30, True)]  # repeated to >= 25 requests, all at time 0
+
+
+def test_at_load_scales_the_arrivals_to_the_asked_rate():
+    reqs = [T(f"r{i}", "u", float(i), 4, 1) for i in range(4)]  # 4 requests over 3 s
+    scaled, rate = vc.at_load(reqs, 0.5, 8.0)
+    assert rate == 4.0 and [r.arrival_s for r in scaled] == pytest.approx([0, 1 / 3, 2 / 3, 1])
+    assert vc.native_rate(scaled) == pytest.approx(4.0)
+
+
+def test_batch_only_command_line_on_the_gpu_clock(tmp_path):
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens,user\n0.0,100,3,A\n0.01,50,4,B\n")
+    cmd = [sys.executable, str(ROOT / "bench" / "vllm_compare.py"), "--batch-only", "--traces", str(tmp_path)]
+    p = subprocess.run(cmd + ["--gpu", "h100-llama3-8b", "--fcfs"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "## GPU clock `h100-llama3-8b`" in p.stdout and "28,094 blocks" in p.stdout
+    assert p.stdout.count("| `t.csv` | 0.90 (") == 4  # Batch and Batch-FCFS, at both chunkings
+    assert "vLLM's default chunking" in p.stdout and "the 64-token rule" in p.stdout
+    p = subprocess.run(cmd + ["--gpu", "h100-nope"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and "unknown GPU profile" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_sweep_plot_draws_every_scheduler(tmp_path):
+    pytest.importorskip("matplotlib", reason="needs matplotlib (the bench extra)")
+    pts = [{"load": x, "rate_req_s": 10 * x, "ttft_p50_s": x, "ttft_p99_s": 2 * x, "tpot_p99_s": 0.01 * x}
+           for x in (0.5, 1.0)]
+    data = {"clock": "h100-llama3-8b", "trace": "t.csv", "capacity_req_s": 10.0, "chunking": "64",
+            "series": {"Batch": pts, "vLLM (thr 64)": pts}}
+    out = Path(vc.plot_sweep(data, tmp_path / "sweep.png"))
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.vllm
+def test_vllm_on_a_gpu_clock_pays_the_same_step_costs_as_batch():
+    pytest.importorskip("vllm", reason="needs vllm: make test runs the tests marked vllm in .venv-vllm")
+    reqs = [T("a", "u1", 0.0, 100, 3), T("b", "u2", 0.0, 100, 4)]
+    v = by_id(vc.run_vllm(reqs, clock=H100, threshold=64))
+    b = by_id(vc.run_batch(reqs, clock=H100, chunk_tokens=64))
+    two = step([(64, 0), (64, 0)]) + step([(36, 64), (36, 64)])  # both chunk 64 + 36 together
+    assert v["a"].first_s == pytest.approx(two) == b["a"].first_s
+    assert v["b"].done_s == pytest.approx(b["b"].done_s)
