@@ -23,6 +23,7 @@ from batch.core.state import Config, Entry, Plan, Seq, State
 from batch.policies.policy import Policy
 from batch.policies.vtc import VTCPolicy
 from inference_stub import Request
+from spec import fairness_rules as fr
 from spec import rules
 
 __all__ = ["Scheduler", "Plan", "Entry", "RequestError", "InvalidRequestError", "PromptTooLongError",
@@ -34,8 +35,15 @@ PREFILL_CHUNK_TOKENS = rules.PREFILL_CHUNK_TOKENS
 MAX_RUNNING_REQUESTS = 256
 #: Default of ``Scheduler(check_invariants=None)``; the test suite turns it on (``tests/conftest.py``).
 CHECK_INVARIANTS = False
-#: Default most preemptions of one request; then it is pinned (``spec.fairness_rules.pinned``).
-MAX_PREEMPTIONS = 4
+#: Default most preemptions of one request before it is pinned (``spec.fairness_rules.pinned``):
+#: ``None``, never (a pinned request holds its worst-case blocks; the aged reservation holder's
+#: protection bounds a request's wait instead). ``baselines.ReservationScheduler`` pins at 0.
+MAX_PREEMPTIONS = None
+#: Default Q, iterations before a resident request may give its room to another user, and the
+#: reservation holder's protection (``spec.fairness_rules.QUANTUM_TICKS``).
+QUANTUM_TICKS = fr.QUANTUM_TICKS
+#: Default W, iterations a fitting request waits behind a blocked head (``fr.HOLD_TICKS``).
+HOLD_TICKS = fr.HOLD_TICKS
 #: Default aging bound, ticks as the blocked head before the reservation (``reserved_after``).
 AGING_TICKS = 32
 #: Default K, most consecutive isolated iterations (``spec.fairness_rules.sit_out_allowed``).
@@ -64,6 +72,12 @@ def _positive(name: str, v: Any) -> int:
     return int(v)
 
 
+def _non_negative(name: str, v: Any) -> int:
+    if not is_int(v) or v < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    return int(v)
+
+
 def _flag(name: str, v: Any, default: bool) -> bool:
     if v is not None and not isinstance(v, bool):
         raise ValueError(f"{name} must be a bool or None, got {v!r}")
@@ -83,6 +97,7 @@ class Scheduler:
                  policy: Policy | None = None, isolation: bool | None = None, admission_headroom: bool | None = None,
                  resume_first: bool | None = None, prefix_caching: bool = False, max_preemptions: int | None = MAX_PREEMPTIONS,
                  aging_ticks: int = AGING_TICKS, max_sit_out_ticks: int = MAX_SIT_OUT_TICKS,
+                 quantum_ticks: int = QUANTUM_TICKS, hold_ticks: int = HOLD_TICKS,
                  max_backend_tries: int | None = None, record_itl: bool = True,
                  max_latency_samples: int | None = None, check_invariants: bool | None = None,
                  on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> None:
@@ -118,7 +133,8 @@ class Scheduler:
             headroom=_flag("admission_headroom", admission_headroom, p.headroom),
             isolation=_flag("isolation", isolation, p.isolation),
             resume_first=_flag("resume_first", resume_first, p.resume_first),
-            max_sit_out_ticks=_positive("max_sit_out_ticks", max_sit_out_ticks), prefix_caching=prefix_caching)
+            max_sit_out_ticks=_positive("max_sit_out_ticks", max_sit_out_ticks), prefix_caching=prefix_caching,
+            quantum_ticks=_positive("quantum_ticks", quantum_ticks), hold_ticks=_non_negative("hold_ticks", hold_ticks))
         self.clock: Callable[[], float] = clock or wall_clock
         self._backend = backend
         self.on_tokens = on_tokens

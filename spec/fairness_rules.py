@@ -47,13 +47,12 @@ def charged_counter(counter: Int, units: Int, weight: Int) -> Int:
 
 
 #: Default fairness tolerance of ``VTCPolicy``, weighted tokens: users whose counters lie within
-#: this of the least backlogged counter are served in arrival order (``vtc_eligible``). 0, the
-#: VTC paper's order: a tolerance of one KV cache's worth (4096) serves balanced load close to
-#: arrival order, but lets weighted shares drift by that much (on the overload a weight-2 user
-#: got 1.38x, not 1.94x, of the others' service, measured before the core redesign:
-#: ``docs/CHANGELOG.md``); ``docs/fairness.md`` section 6 ("Tolerance") has the redesigned
-#: core's measurements and why the default stays 0.
-TOLERANCE_TOKENS = 0
+#: this of the least backlogged counter are served in arrival order (``vtc_eligible``), so a
+#: balanced load is served first come first served and its TTFT tail is FCFS's; a user more than
+#: this ahead waits behind the others. Shares among resident requests are kept by
+#: ``pressure_units`` (victims and room), not by the band. ``docs/fairness.md`` ("Tolerance")
+#: has the measurements behind the value.
+TOLERANCE_TOKENS = 8192
 
 
 def lift_floor(floor: Int, min_others: Int, others_backlogged: Bool, tolerance: Int) -> Int:
@@ -63,13 +62,20 @@ def lift_floor(floor: Int, min_others: Int, others_backlogged: Bool, tolerance: 
 
     The floor only grows, and every backlogged counter is at or above it (a new one is lifted to
     it, ``lifted_counter``), so a returning user starts one unit (1/``COUNTER_SCALE`` of a
-    weighted token) below the band of the least backlogged counter (``vtc_eligible``), or at the
-    floor when that is higher: idle time banks no credit. With ``tolerance = 0`` and others
-    backlogged this is the VTC paper's lift (artifact ``VTCReqQueue.append``), ties to the
-    newcomer. Because the floor does not depend on who is backlogged at the return, a user idle
-    at or below it can be forgotten (``forgettable``): its return restores the same counter.
+    weighted token) below ``m - tolerance``, or at the floor when that is higher: idle time banks
+    no credit. ``VTCPolicy`` lifts with ``tolerance = 0`` (``LIFT_TOLERANCE_TOKENS``): a newcomer
+    starts just below the least counter, not below the eligibility band, so the band is not
+    credited to it (it would read as the others' service lead in ``pressure_units``). With
+    ``tolerance = 0`` and others backlogged this is the VTC paper's lift (artifact
+    ``VTCReqQueue.append``), ties to the newcomer. Because the floor does not depend on who is
+    backlogged at the return, a user idle at or below it can be forgotten (``forgettable``): its
+    return restores the same counter.
     """
     return If(others_backlogged, Max(floor, min_others - tolerance - 1), floor)
+
+
+#: The tolerance ``VTCPolicy`` lifts with (``lift_floor``), weighted tokens: 0, the VTC paper's lift.
+LIFT_TOLERANCE_TOKENS = 0
 
 
 def lifted_counter(own: Int, floor: Int) -> Int:
@@ -123,6 +129,78 @@ def vtc_service_gap_bound(prompt_price: Int, max_prompt_tokens: Int, output_pric
     stands for (the longest output, or the tokens one batch holds).
     """
     return 2 * Max(prompt_price * max_prompt_tokens, output_price * max_output_tokens)
+
+
+# ---------------------------------------------------------------- fair while running
+
+#: Quantum Q, iterations: a resident request is taken for another user's room only after Q
+#: iterations resident (``quantum_elapsed``), and the reservation holder is never preempted
+#: within Q iterations of its admission (``protected``): the anti-thrash rule.
+QUANTUM_TICKS = 128
+
+#: Pressure scale S, weighted tokens: in ``pressure_units`` one resident request per unit of
+#: weight weighs as much as S weighted tokens of service received.
+PRESSURE_TOKENS = 1024
+
+#: Hold W, iterations: a waiting request that fits waits behind a blocked head (the first
+#: candidate that does not fit) at most W iterations; then it is admitted past it
+#: (``hold_elapsed``). Light users' requests never wait behind it.
+HOLD_TICKS = 8
+
+
+def light_user(demand: Int, weight: Int, total_demand: Int, total_weight: Int) -> Bool:
+    """A light user: its demand (requests resident and waiting) is at most half its weighted
+    fair share of all users' demand (``within_share`` at 1/2, ``total_weight`` the weights of
+    the users with demand). Its requests are tried first, get room by preempting users over
+    their share, and prefill toward their first token in isolated iterations."""
+    return within_share(demand, weight, total_demand, total_weight, 1, 2)
+
+
+def pressure_units(resident_requests: Int, weight: Int, counter: Int) -> Int:
+    """A user's residency pressure, counter units: ``resident * S / weight + counter``, its
+    resident requests per unit weight (each worth ``PRESSURE_TOKENS`` weighted tokens) plus the
+    service it received (its VTC counter, ``charged_counter``).
+
+    The first term is the rate the user is served at now (a resident request gets one token an
+    iteration), the second what it received so far: the user of highest pressure gives up a
+    resident request first (``victim_user_first``), and a waiting user may take a request from
+    one whose pressure stays at or above its own once the request has moved (``may_take``).
+    Only differences between users matter (the counters' origin cancels). Exact for weights
+    dividing ``S * COUNTER_SCALE`` (1..16 and powers of two up to 2**10 times that).
+    """
+    return cdiv(resident_requests * PRESSURE_TOKENS * COUNTER_SCALE, weight) + counter
+
+
+def victim_user_first(max_pressure: Int, min_pressure: Int) -> Bool:
+    """Victims come from the user of highest pressure (among the candidates' users) when it is
+    at least one resident request (``S`` weighted tokens) above the lowest; otherwise the
+    victim order alone (``victim_before``) decides: small differences do not reorder victims."""
+    return max_pressure - min_pressure >= PRESSURE_TOKENS * COUNTER_SCALE
+
+
+def may_take(taker_pressure_after: Int, victim_pressure_after: Int) -> Bool:
+    """A waiting user may take one resident request of another user for room: its pressure with
+    the request admitted is at most the other's with the request gone (hysteresis: the move
+    never makes the taker the one over pressure)."""
+    return taker_pressure_after <= victim_pressure_after
+
+
+def quantum_elapsed(admit_tick: Int, tick: Int, quantum_ticks: Int) -> Bool:
+    """A resident request has been resident ``quantum_ticks`` iterations: it may give up its
+    room to another user's waiting request."""
+    return tick - admit_tick >= quantum_ticks
+
+
+def protected(holder: Bool, admit_tick: Int, tick: Int, quantum_ticks: Int) -> Bool:
+    """The reservation holder is no victim of any preemption within ``quantum_ticks`` of its
+    admission (at most one request is protected at a time, so it can always grow)."""
+    return And(holder, tick - admit_tick < quantum_ticks)
+
+
+def hold_elapsed(blocked_ticks: Int, hold_ticks: Int) -> Bool:
+    """Requests behind a blocked head may be admitted past it: it has been the blocked head
+    ``hold_ticks`` iterations."""
+    return blocked_ticks >= hold_ticks
 
 
 # ---------------------------------------------------------------- share of the batch

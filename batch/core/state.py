@@ -24,6 +24,7 @@ class Seq:
     rid: str  # request_id at submit (the key of State.by_id, whatever the caller does to the field)
     arrival_no: int
     num_prompt_tokens: int
+    order_no: int = -1  # position in the admission order: arrival_no, or later once requeued behind (VTC)
     state: str = lc.QUEUED
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -33,10 +34,15 @@ class Seq:
     admit_tick: int = -1
     blocked_ticks: int = 0  # ticks as the blocked head of the admission order (aging)
     pinned: bool = False  # admitted with its worst-case blocks after max_preemptions; never a victim
+    holder: bool = False  # admitted as the reservation holder: protected for the quantum (``fr.protected``)
     admitted_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
     keys: tuple = ()  # its full prompt blocks' keys, with prefix caching (``prefix_cache.block_keys``)
+
+    def __post_init__(self) -> None:
+        if self.order_no < 0:
+            self.order_no = self.arrival_no
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +120,8 @@ class Config:
     resume_first: bool  # preempted decodes are tried before the admission order
     max_sit_out_ticks: int  # K: most consecutive isolated iterations
     prefix_caching: bool = False  # full prompt blocks shared by content (``batch.core.prefix_cache``)
+    quantum_ticks: int = 128  # Q: iterations before a resident request may give room to another user
+    hold_ticks: int = 8  # W: iterations a fitting request waits behind a blocked head
 
     @property
     def max_model_len_tokens(self) -> int:
@@ -135,6 +143,7 @@ class State:
     resident_by_user: dict[str, int] = field(default_factory=dict)
     waiting_by_user: dict[str, int] = field(default_factory=dict)
     reserved: Seq | None = None
+    protected: Seq | None = None  # the last reservation holder admitted (protected within the quantum)
     streak: int = 0
     tick_no: int = 0
     arrivals: int = 0

@@ -48,197 +48,231 @@ def schedule(st: State, policy: Policy, cfg: Config) -> Plan:
     Raises:
         AssertionError: the policy chose a victim ``fairness_rules.may_preempt`` forbids.
     """
+    d = _Draft(st, cfg)
+    _run_residents(d, st, policy, cfg)
+    blocked, stop = _admission(d, st, policy, cfg) if not d.preempted else (None, "preempted")
+    return _isolate(d, st, policy, cfg, blocked, stop)
+
+
+class _Draft:
+    """The plan being built: rows ``seqs`` / ``ntok`` / ``nblk`` in forward order, the victims,
+    the admissions' prefix-cache hits, the free blocks and token budget left, the resident
+    requests not preempted (``live``) and those admitted (``taken``)."""
+
+    def __init__(self, st: State, cfg: Config) -> None:
+        self.st, self.cfg = st, cfg
+        self.seqs: list[Seq] = []
+        self.ntok: list[int] = []
+        self.nblk: list[int] = []
+        self.preempted: list[Seq] = []
+        self.cached: dict[Seq, list[int]] = {}
+        self.live = list(st.running)
+        self.taken: list[Seq] = []
+        self.free, self.budget = st.pool.num_free, cfg.token_budget_tokens
+        prot = st.protected
+        self.protected = prot if prot is not None and fr.protected(True, prot.admit_tick, st.tick_no,
+                                                                   cfg.quantum_ticks) else None
+
+    def add(self, s: Seq, k: int, blocks: int) -> None:
+        self.seqs.append(s), self.ntok.append(k), self.nblk.append(blocks)
+        self.budget -= k
+
+    def gain(self, v: Seq) -> int:
+        """Blocks preempting ``v`` frees: those it holds (alone) and any granted this plan."""
+        st = self.st
+        held = freed_blocks(st.pool, v, self.preempted, self.cached) if self.cfg.prefix_caching else len(v.block_table)
+        return held + (self.nblk[self.seqs.index(v)] if v in self.seqs else 0)
+
+    def preempt(self, v: Seq) -> None:
+        """``v`` leaves ``live`` (and this plan's rows) by recompute; its blocks count free."""
+        st, cfg = self.st, self.cfg
+        if not fr.may_preempt(v.num_preemptions, cfg.max_preemptions, v.admit_tick, st.tick_no) or v is self.protected:
+            raise AssertionError(f"policy chose {v.request_id}, which may not be preempted")
+        self.free += self.gain(v)
+        self.live.remove(v)
+        self.preempted.append(v)
+        if v in self.seqs:
+            k = self.seqs.index(v)
+            self.budget += self.ntok.pop(k)
+            del self.seqs[k], self.nblk[k]
+
+    def candidates(self) -> list[Seq]:
+        """Resident requests that may be victims: not pinned, not protected."""
+        return [q for q in self.live if not q.pinned and q is not self.protected]
+
+
+def _run_residents(d: _Draft, st: State, policy: Policy, cfg: Config) -> None:
+    """Step 1. Running requests, in admission order: a decode, or a prefill chunk after growing
+    the block table, preempting the policy's victim by recompute while the blocks do not fit;
+    with the budget spent a request neither grows nor preempts."""
     B, chunk = cfg.block_tokens, cfg.prefill_chunk_tokens
     decode_ready, growth_blocks, chunk_tokens, can_allocate = fast(rules.decode_ready), \
         fast(rules.growth_blocks), fast(rules.chunk_tokens), fast(rules.can_allocate)
-    free, budget = st.pool.num_free, cfg.token_budget_tokens
-    seqs: list[Seq] = []
-    ntok: list[int] = []
-    nblk: list[int] = []
-    preempted: list[Seq] = []
-    cached: dict[Seq, list[int]] = {}  # admissions' prefix-cache hits (``batch.core.prefix_cache``)
-    live = list(st.running)
-
-    def gain(v: Seq) -> int:  # blocks preempting v frees: those it holds (alone) and any granted this plan
-        held = freed_blocks(st.pool, v, preempted, cached) if cfg.prefix_caching else len(v.block_table)
-        return held + (nblk[seqs.index(v)] if v in seqs else 0)
-
-    def preempt(v: Seq) -> int:  # v leaves live (and this plan's batch); returns gain(v)
-        nonlocal budget
-        if not fr.may_preempt(v.num_preemptions, cfg.max_preemptions, v.admit_tick, st.tick_no):
-            raise AssertionError(f"policy chose {v.request_id}, which may not be preempted")
-        out = gain(v)
-        live.remove(v)
-        preempted.append(v)
-        if v in seqs:
-            k = seqs.index(v)
-            budget += ntok.pop(k)
-            del seqs[k], nblk[k]
-        return out
-
-    # 1. Running requests, in admission order: a decode, or a prefill chunk after growing the
-    #    block table, preempting the policy's victim by recompute while the blocks do not fit.
+    live = d.live
     i = 0
     while i < len(live):
         s = live[i]
         n = s.num_prompt_tokens + len(s.req.generated)
-        if budget <= 0:  # the budget is spent: it neither grows nor preempts
+        if d.budget <= 0:
             i += 1
         elif decode_ready(len(s.block_table), n, s.num_computed_tokens, B):
-            seqs.append(s), ntok.append(1), nblk.append(0)
-            budget -= 1
+            d.add(s, 1, 0)
             i += 1
         else:
             need = growth_blocks(len(s.block_table), n, B)
-            while not can_allocate(free, need) and s in live:
-                v = policy.victim([q for q in live if not q.pinned])
+            while not can_allocate(d.free, need) and s in live:
+                v = policy.victim(d.candidates())
                 j = live.index(v)
-                free += preempt(v)
+                d.preempt(v)
                 i -= j < i
             if s in live:
-                k = chunk_tokens(n, s.num_computed_tokens, chunk, budget)
+                k = chunk_tokens(n, s.num_computed_tokens, chunk, d.budget)
                 if k > 0:
-                    seqs.append(s), ntok.append(k), nblk.append(need)
-                    free -= need
-                    budget -= k
+                    d.add(s, k, need)
+                    d.free -= need
                 i += 1
 
-    # 2. Admission, unless something was preempted: the reservation holder, preempted decodes
-    #    that fit now (resume-first), then the policy's order, while a slot, the budget and the
-    #    blocks with headroom fit. A light user's request that does not fit gets room by
-    #    preemption; past a blocked head that is not light (nor the reservation), only the first
-    #    request of each light user is tried, until every waiting user has been seen.
-    blocked: Seq | None = None
-    stop = "preempted" if preempted else "empty"
+
+def _admission(d: _Draft, st: State, policy: Policy, cfg: Config) -> tuple[Seq | None, str]:
+    """Step 2 (only in a tick that preempted nothing). Candidates: the reservation holder (none
+    while a protected request is resident), the waiting preempted decodes that fit now
+    (resume-first), then the policy's order (light users' requests first). A candidate is
+    admitted while a slot, the budget and its blocks with headroom fit. One that does not fit
+    gets room by preemption when the rules allow it (``_room``); otherwise the first such is the
+    plan's ``blocked`` head (it ages), and the candidates after it wait while it has been blocked
+    fewer than ``hold_ticks`` iterations, then pass it. Returns ``(blocked, stop)``."""
+    B = cfg.block_tokens
+    chunk_tokens = fast(rules.chunk_tokens)
     reserved = st.reserved
-    taken: list[Seq] = []
-    passing = False
-    seen: set[str] = set()
-    if not preempted:
-        trials = policy.resumable() if cfg.resume_first and reserved is None else ()
-        first = ([(reserved, False)] if reserved is not None else []) + [(q, True) for q in trials]
-        for s, trial in chain(first, ((q, False) for q in policy.order())):
-            if s in taken:
+    holder = reserved if reserved is not None and d.protected is None else None
+    light = _LightUsers(st, policy) if cfg.isolation else None
+    trials = policy.resumable() if cfg.resume_first and holder is None else ()
+    first = ([(holder, False)] if holder is not None else []) + [(q, True) for q in trials]
+    order = policy.order(light) if light is not None else policy.order()
+    blocked: Seq | None = None
+    stop = "empty"
+    for s, trial in chain(first, ((q, False) for q in order)):
+        if s in d.taken:
+            continue
+        resident = len(d.live) + len(d.taken)
+        if resident >= cfg.max_running:
+            return blocked, "max_running"
+        if d.budget <= 0:
+            return blocked, "budget"
+        need = admission_blocks(s, cfg)
+        hits, cost = planned_hits(st.pool, s, need, d.preempted, d.cached) if cfg.prefix_caching else ((), need)
+        room = fr.growth_headroom_blocks(resident, B) if cfg.headroom and s is not holder else 0
+        if not fr.can_admit(d.free, cost, room):
+            if trial:
                 continue
-            if passing:
-                if len(seen) >= len(st.waiting_by_user):
-                    break
-                if s.user_id in seen:
-                    continue
-                seen.add(s.user_id)
-                if not _joins_light(st, policy, s, live, taken):
-                    continue
-            resident = len(live) + len(taken)
-            if resident >= cfg.max_running:
-                stop = "max_running"
-                break
-            if budget <= 0:
-                stop = "budget"
-                break
-            need = admission_blocks(s, cfg)
-            hits, cost = planned_hits(st.pool, s, need, preempted, cached) if cfg.prefix_caching else ((), need)
-            room = fr.growth_headroom_blocks(resident, B) if cfg.headroom and s is not reserved else 0
-            if not fr.can_admit(free, cost, room):
-                if trial:
+            victims = _room(d, policy, cfg, s, cost, light, s is holder)
+            if victims is None:
+                if s is holder:
                     continue
                 if blocked is None:
                     stop, blocked = "kv", s
-                victims = _room(st, policy, s, cost, free, live, taken, gain) if cfg.isolation else None
-                if victims is None:
-                    if cfg.isolation and not passing and s is not reserved:
-                        passing = True
-                        seen.add(s.user_id)
-                        continue
-                    break
-                for v in victims:
-                    free += preempt(v)
-                if cfg.prefix_caching:  # the victims may hold blocks it hits
-                    hits, cost = planned_hits(st.pool, s, need, preempted, cached)
-                stop = "room"
-                if blocked is s:
-                    blocked = None
-            k = chunk_tokens(s.num_tokens, len(hits) * B, chunk, budget)
-            seqs.append(s), ntok.append(k), nblk.append(need - len(hits))
-            taken.append(s)
-            if hits:
-                cached[s] = hits
-            free -= cost
-            budget -= k
-            if stop == "room":
-                break
+                if not fr.hold_elapsed(blocked.blocked_ticks, cfg.hold_ticks):
+                    return blocked, stop
+                continue
+            for v in victims:
+                d.preempt(v)
+            if cfg.prefix_caching:  # the victims may hold blocks it hits
+                hits, cost = planned_hits(st.pool, s, need, d.preempted, d.cached)
+            stop = "room"
+        k = chunk_tokens(s.num_tokens, len(hits) * B, cfg.prefill_chunk_tokens, d.budget)
+        d.add(s, k, need - len(hits))
+        d.taken.append(s)
+        if hits:
+            d.cached[s] = hits
+        d.free -= cost
+    return blocked, stop
 
-    # 3. Isolation: while a light user's request prefills toward its first token, every other
-    #    request sits out (keeping its blocks), at most max_sit_out_ticks iterations in a row.
+
+class _LightUsers:
+    """``fairness_rules.light_user`` for this tick: demand = requests resident and waiting."""
+
+    def __init__(self, st: State, policy: Policy) -> None:
+        self.st, self.policy = st, policy
+        self.total = sum(st.resident_by_user.values()) + sum(st.waiting_by_user.values())
+        users = st.resident_by_user.keys() | st.waiting_by_user.keys()
+        self.total_w = sum(policy.weight(u) for u in users)
+        self.memo: dict[str, bool] = {}
+
+    def __call__(self, user: str) -> bool:
+        got = self.memo.get(user)
+        if got is None:
+            st = self.st
+            demand = st.resident_by_user.get(user, 0) + st.waiting_by_user.get(user, 0)
+            got = self.memo[user] = bool(fr.light_user(demand, self.policy.weight(user), self.total, self.total_w))
+        return got
+
+
+def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _LightUsers | None,
+          holder: bool) -> list[Seq] | None:
+    """Victims whose preemption lets ``head`` (``need`` blocks, no headroom) in, in the policy's
+    victim order, or ``None``. The reservation holder: any resident request that may be preempted.
+    A light user's request: requests of users over their weighted share of the resident requests
+    as if ``head`` joined. Another request, when the policy keeps shares (``Policy.pressure``):
+    requests resident ``quantum_ticks`` iterations of users it ``may_take`` from."""
+    st = d.st
+    cands = [q for q in d.candidates() if q.admit_tick < st.tick_no]
+    u = head.user_id
+    if holder:
+        pass
+    elif light is not None and light(u):
+        count = Counter(q.user_id for q in chain(d.live, d.taken, (head,)))
+        total, total_w = sum(count.values()), sum(policy.weight(v) for v in count)
+        over = {v for v, c in count.items() if not fr.within_share(c, policy.weight(v), total, total_w, 1, 1)}
+        cands = [q for q in cands if q.user_id in over]
+    else:
+        if policy.pressure(u, 0) is None:
+            return None
+        count = Counter(q.user_id for q in chain(d.live, d.taken))
+        mine = policy.pressure(u, count[u] + 1)
+        cands = [q for q in cands if q.user_id != u and fr.quantum_elapsed(q.admit_tick, st.tick_no, cfg.quantum_ticks)]
+        victims: list[Seq] = []
+        free = d.free
+        while not rules.can_allocate(free, need):
+            cands = [q for q in cands if fr.may_take(mine, policy.pressure(q.user_id, count[q.user_id] - 1))]
+            if not cands:
+                return None
+            v = policy.victim(cands)
+            cands.remove(v)
+            victims.append(v)
+            count[v.user_id] -= 1
+            free += d.gain(v)
+        return victims
+    victims = []
+    free = d.free
+    while cands and not rules.can_allocate(free, need):
+        v = policy.victim(cands)
+        cands.remove(v)
+        victims.append(v)
+        free += d.gain(v)
+    return victims if rules.can_allocate(free, need) else None
+
+
+def _isolate(d: _Draft, st: State, policy: Policy, cfg: Config, blocked: Seq | None, stop: str) -> Plan:
+    """Step 3. Isolation: while a light user's request prefills toward its first token, every
+    other request sits out (keeping its blocks), at most ``max_sit_out_ticks`` in a row; the
+    reservation holder's admission is kept. Builds the plan."""
+    seqs, ntok, nblk, taken = d.seqs, d.ntok, d.nblk, d.taken
     sat_out: tuple[Seq, ...] = ()
     isolated = False
     n_adm = len(taken)
     if cfg.isolation and fr.sit_out_allowed(st.streak, cfg.max_sit_out_ticks) and len(seqs) > 1:
-        keep = _isolated(st, policy, seqs, live, taken, reserved)
-        if keep is not None:
+        light = _LightUsers(st, policy)
+        reserved = st.reserved
+        keep = [(not s.req.generated and light(s.user_id)) or s is reserved for s in seqs]
+        if any(keep) and not all(keep):
             k0 = len(seqs) - n_adm
             sat_out = tuple(s for s, kept in zip(seqs[:k0], keep) if not kept)
             n_adm = sum(keep[k0:])
             rows = [r for r, kept in zip(zip(seqs, ntok, nblk), keep) if kept]
             seqs, ntok, nblk = ([r[j] for r in rows] for j in range(3))
             isolated = True
-    return Plan(tuple(seqs), tuple(ntok), tuple(nblk), n_adm, tuple(preempted), sat_out, blocked, stop, isolated,
-                {s: h for s, h in cached.items() if s in seqs})
-
-
-def _shares(policy: Policy, live: Sequence[Seq], admitted: Sequence[Seq]) -> tuple[Counter[str], int]:
-    """Resident requests per user once the plan is applied, and the weights of those users."""
-    count = Counter(s.user_id for s in chain(live, admitted))
-    return count, sum(policy.weight(u) for u in count)
-
-
-def _light(st: State, policy: Policy, user: str, total: int, total_w: int) -> bool:
-    """A light user: its demand (resident + waiting requests) is at most half its weighted fair
-    share of ``total`` resident requests (``fairness_rules.within_share`` at 1/2)."""
-    demand = st.resident_by_user.get(user, 0) + st.waiting_by_user.get(user, 0)
-    return bool(fr.within_share(demand, policy.weight(user), total, total_w, 1, 2))
-
-
-def _joins_light(st: State, policy: Policy, s: Seq, live: Sequence[Seq], taken: Sequence[Seq]) -> bool:
-    """``s``'s user is light with ``s`` admitted beside ``live`` and ``taken``."""
-    total_w = _shares(policy, live, [*taken, s])[1]
-    return _light(st, policy, s.user_id, len(live) + len(taken) + 1, total_w)
-
-
-def _room(st: State, policy: Policy, head: Seq, need: int, free: int, live: list[Seq], taken: list[Seq],
-          gain: Callable[[Seq], int]) -> list[Seq] | None:
-    """Room for the head of the order when its user is light: no headroom, and if that is not
-    enough, the victims to preempt among requests of users over their weighted fair share as
-    if ``head`` joined (never pinned ones), in the policy's victim order. ``None``: the user is
-    not light, or preempting all of them would not make room."""
-    if not _joins_light(st, policy, head, live, taken):
-        return None
-    count, total_w = _shares(policy, live, taken + [head])
-    total = len(live) + len(taken) + 1
-    over = {u for u, c in count.items() if not fr.within_share(c, policy.weight(u), total, total_w, 1, 1)}
-    cands = [q for q in live if q.user_id in over and not q.pinned]
-    victims: list[Seq] = []
-    while cands and not rules.can_allocate(free, need):
-        v = policy.victim(cands)
-        cands.remove(v)
-        victims.append(v)
-        free += gain(v)
-    return victims if rules.can_allocate(free, need) else None
-
-
-def _isolated(st: State, policy: Policy, seqs: list[Seq], live: list[Seq], taken: list[Seq],
-              reserved: Seq | None) -> list[bool] | None:
-    """Which of ``seqs`` an isolated iteration keeps: light users' requests prefilling toward
-    their first token, and the reservation holder's admission; ``None`` when no request of a
-    light user prefills toward its first token, or nothing would sit out."""
-    total, total_w = len(live) + len(taken), _shares(policy, live, taken)[1]
-    light: dict[str, bool] = {}
-    keep = []
-    for s in seqs:
-        u = s.user_id
-        if not s.req.generated and u not in light:
-            light[u] = _light(st, policy, u, total, total_w)
-        keep.append((not s.req.generated and light[u]) or s is reserved)
-    return keep if any(keep) and not all(keep) else None
+    return Plan(tuple(seqs), tuple(ntok), tuple(nblk), n_adm, tuple(d.preempted), sat_out, blocked, stop, isolated,
+                {s: h for s, h in d.cached.items() if s in seqs})
 
 
 # ---------------------------------------------------------------- around forward
@@ -286,9 +320,13 @@ def apply(st: State, policy: Policy, cfg: Config, plan: Plan, tokens: Sequence[i
     for s in plan.preempted:
         s.num_computed_tokens = 0
         s.num_preemptions += 1
+        if st.protected is s:
+            st.protected = None
         fire(s, "preempt")
         _leave(st, s, st.resident_by_user)
         st.waiting_by_user[s.user_id] = st.waiting_by_user.get(s.user_id, 0) + 1
+        if policy.requeue_behind and s.req.generated:  # a preempted decode waits behind every arrival
+            s.order_no, st.arrivals = st.arrivals, st.arrivals + 1
         policy.requeue(s)
         stats.preemptions += 1
     new_prompt, high_water = fast(fr.new_prompt_tokens), fast(fr.prompt_high_water)
@@ -365,6 +403,11 @@ def _admit(st: State, policy: Policy, cfg: Config, s: Seq, start_s: float) -> No
     s.admit_no, s.admit_tick = st.admissions, st.tick_no
     st.admissions += 1
     s.pinned = fr.pinned(s.num_preemptions, cfg.max_preemptions)
+    prot = st.protected
+    s.holder = st.reserved is s and (prot is None or not fr.protected(True, prot.admit_tick, st.tick_no,
+                                                                      cfg.quantum_ticks))
+    if s.holder:  # protected for the quantum: at most one at a time, so it can always grow
+        st.protected = s
     if cfg.prefix_caching:  # its hits were shared at commit: num_computed_tokens holds them
         st.pool.query_tokens, st.pool.hit_tokens = st.pool.query_tokens + s.num_tokens, \
             st.pool.hit_tokens + s.num_computed_tokens
@@ -414,6 +457,8 @@ def retire(st: State, policy: Policy, s: Seq, reason: str, now_s: float) -> Requ
 
 def forget(st: State, s: Seq) -> None:
     """Drop ``s`` from the lookups (it finished or was aborted)."""
+    if st.protected is s:
+        st.protected = None
     st.by_obj.pop(id(s.req), None)
     same = st.by_id.get(s.rid, [])
     if s in same:

@@ -70,7 +70,7 @@ class ClairvoyantPolicy(Policy):
                 return
         raise KeyError(f"{getattr(seq, 'request_id', seq)!r} is not waiting")
 
-    def order(self) -> Iterator[Any]:
+    def order(self, light=None) -> Iterator[Any]:
         return iter([e[2] for e in self._waiting])
 
     def victim(self, running: Sequence[Any]) -> Any:

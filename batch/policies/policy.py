@@ -4,7 +4,7 @@ implements every member; the scheduler reads nothing else (``docs/design.md``)."
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from batch.core.state import Seq
@@ -19,6 +19,7 @@ class Policy:
     isolation = False
     headroom = False
     resume_first = False
+    requeue_behind = False  # a preempted decode takes a new place (``Seq.order_no``) behind every arrival
 
     def __init__(self) -> None:
         self._waiting: deque[Seq] = deque()
@@ -42,8 +43,10 @@ class Policy:
         else:
             self._waiting.remove(seq)
 
-    def order(self) -> Iterator[Seq]:
-        """The waiting requests in the order admission tries them (lazy: admission stops early)."""
+    def order(self, light: Callable[[str], bool] | None = None) -> Iterator[Seq]:
+        """The waiting requests in the order admission tries them (lazy: admission stops early).
+        ``light(user)``: the user is light (``fairness_rules.light_user``); a policy that favours
+        light users yields their requests first. FCFS ignores it."""
         return iter(self._waiting)
 
     def resumable(self) -> Iterable[Seq]:
@@ -57,6 +60,12 @@ class Policy:
     def weight(self, user_id: str) -> int:
         """The user's share weight (an int >= 1)."""
         return 1
+
+    def pressure(self, user_id: str, resident_requests: int) -> int | None:
+        """The user's residency pressure with ``resident_requests`` resident
+        (``fairness_rules.pressure_units``), or ``None``: the policy keeps no shares among
+        resident requests (no victim by user, no room for another user's request). FCFS: ``None``."""
+        return None
 
     def victim(self, candidates: Sequence[Seq]) -> Seq:
         """The request to preempt by recompute among ``candidates`` (non-empty, none pinned)."""

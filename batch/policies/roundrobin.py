@@ -44,7 +44,7 @@ class RoundRobinPolicy(Policy):
         if q:
             self._queues[seq.user_id] = q
 
-    def order(self) -> Iterator[Seq]:
+    def order(self, light=None) -> Iterator[Seq]:
         """Rounds over the users in turn order, one request per user per round (a snapshot)."""
         queues = [list(q) for q in self._queues.values()]
         for i in range(max(map(len, queues), default=0)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import insort
 from heapq import heapify, heappop, heappush
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from batch.policies.policy import Policy
 from spec import fairness_rules as fr
@@ -29,6 +29,7 @@ class VTCPolicy(Policy):
     ``headroom``, ``resume_first``: the mechanisms asked of the scheduler. ``ValueError`` if not."""
 
     name = "vtc"
+    requeue_behind = True
 
     def __init__(self, *, weights: dict[str, int] | None = None, tolerance_tokens: int = fr.TOLERANCE_TOKENS,
                  prompt_price: int = fr.PROMPT_PRICE, output_price: int = fr.OUTPUT_PRICE,
@@ -49,6 +50,7 @@ class VTCPolicy(Policy):
         self.weights = weights
         self.tolerance_tokens, self.prompt_price, self.output_price = tolerance_tokens, prompt_price, output_price
         self._tol = tolerance_tokens * fr.COUNTER_SCALE  # counter units
+        self._lift_tol = fr.LIFT_TOLERANCE_TOKENS * fr.COUNTER_SCALE
         self._queues: dict[str, list[Seq]] = {}  # backlogged user -> waiting requests by arrival
         self._n = 0
         self._counter: dict[str, int] = {}  # counter units; a missing (forgotten) user reads 0
@@ -76,9 +78,9 @@ class VTCPolicy(Policy):
         self._enqueue(seq).append(seq)
 
     def requeue(self, seq: Seq) -> None:
-        insort(self._enqueue(seq), seq, key=_arrival)
+        insort(self._enqueue(seq), seq, key=_order)
         if seq.req.generated:
-            insort(self._resumable, seq, key=_arrival)
+            insort(self._resumable, seq, key=_order)
 
     def _enqueue(self, seq: Seq) -> list[Seq]:  # the user's queue, lifting a user becoming backlogged
         self._n += 1
@@ -94,7 +96,7 @@ class VTCPolicy(Policy):
         counter to it (``lifted_counter``)."""
         others = [self.counter(u) for u in self._queues if u != user] or \
             [self.counter(u) for u in self._active if u != user]
-        self._raise_floor(fr.lift_floor(self.floor, min(others, default=0), bool(others), self._tol))
+        self._raise_floor(fr.lift_floor(self.floor, min(others, default=0), bool(others), self._lift_tol))
         view = self.counter(user)
         self._counter[user] = self._counter.get(user, 0) + fr.lifted_counter(view, self.floor) - view
         self._active.add(user)
@@ -135,10 +137,22 @@ class VTCPolicy(Policy):
         else:
             heappush(self._idle, (self.counter(user_id), user_id))
 
+    def pressure(self, user_id: str, resident_requests: int) -> int:
+        return fr.pressure_units(resident_requests, self.weight(user_id), self.counter(user_id))
+
     def victim(self, candidates: Sequence[Seq]) -> Seq:
-        """``spec.fairness_rules.victim_before``: light users' requests last (by the blocks
-        ``candidates`` hold, ``within_share`` at 1/4), then fewest preemptions, fewest computed
-        tokens, newest admission."""
+        """The user of highest ``pressure_units`` among the candidates' (counted among them) gives
+        the victim when ``victim_user_first``; then ``spec.fairness_rules.victim_before``: light
+        users' requests last (by the blocks ``candidates`` hold, ``within_share`` at 1/4), then
+        fewest preemptions, fewest computed tokens, newest admission."""
+        count: dict[str, int] = {}
+        for s in candidates:
+            count[s.user_id] = count.get(s.user_id, 0) + 1
+        if len(count) > 1:
+            p = {u: self.pressure(u, n) for u, n in count.items()}
+            hi = max(p.values())
+            if fr.victim_user_first(hi, min(p.values())):
+                candidates = [s for s in candidates if p[s.user_id] == hi]
         blocks: dict[str, int] = {}
         for s in candidates:
             blocks[s.user_id] = blocks.get(s.user_id, 0) + len(s.block_table)
@@ -152,18 +166,34 @@ class VTCPolicy(Policy):
                 best = s
         return best
 
-    def order(self) -> Iterator[Seq]:
-        """Waiting requests in admission order, lazily: among users within the tolerance of the
-        least counter, the oldest head; the pick's user is charged its uncharged prompt on a local
+    def order(self, light: Callable[[str], bool] | None = None) -> Iterator[Seq]:
+        """Waiting requests in admission order, lazily: first every request of a ``light`` user, by
+        ``order_no``; then, among the other users within the tolerance of their least counter,
+        the head first in ``order_no``; the pick's user is charged its uncharged prompt on a local
         copy between picks. O(U) to start for U backlogged users, O(log U) a pick."""
         tol, price = self._tol, self.prompt_price
         local = {u: self.counter(u) for u in self._queues}
         pos = dict.fromkeys(self._queues, 0)
-        least = [(c, u) for u, c in local.items()]  # all users, lazily re-keyed: the least counter
+        if light is not None:
+            heads = [(q[0].order_no, u) for u, q in self._queues.items() if light(u)]
+            heapify(heads)
+            while heads:
+                _, u = heappop(heads)
+                q = self._queues[u]
+                seq = q[pos[u]]
+                yield seq
+                local[u] = fr.charged_counter(local[u], price * (seq.num_prompt_tokens - seq.prompt_charged_tokens),
+                                              self.weight(u))
+                pos[u] += 1
+                if pos[u] < len(q):
+                    heappush(heads, (q[pos[u]].order_no, u))
+                else:
+                    del pos[u]
+        least = [(local[u], u) for u in pos]  # the users left, lazily re-keyed: the least counter
         outside = least[:]  # users not yet in the band, by counter
         heapify(least)
         heapify(outside)
-        band: list[tuple[int, str]] = []  # eligible users by their head's arrival
+        band: list[tuple[int, str]] = []  # eligible users by their head's order_no
         while pos:
             while least[0][1] not in pos or least[0][0] != local[least[0][1]]:
                 heappop(least)
@@ -171,10 +201,10 @@ class VTCPolicy(Policy):
             while outside and fr.vtc_eligible(outside[0][0], top, tol):
                 c, u = heappop(outside)
                 if u in pos and c == local[u]:
-                    heappush(band, (self._queues[u][pos[u]].arrival_no, u))
+                    heappush(band, (self._queues[u][pos[u]].order_no, u))
             while True:
-                arrival, u = band[0]
-                if u not in pos or self._queues[u][pos[u]].arrival_no != arrival:
+                order_no, u = band[0]
+                if u not in pos or self._queues[u][pos[u]].order_no != order_no:
                     heappop(band)  # stale: that head was yielded
                 elif not fr.vtc_eligible(local[u], top, tol):
                     heappop(band)  # charged past the band since
@@ -189,10 +219,10 @@ class VTCPolicy(Policy):
             heappush(least, (local[u], u))
             pos[u] += 1
             if pos[u] < len(self._queues[u]):
-                heappush(band, (self._queues[u][pos[u]].arrival_no, u))
+                heappush(band, (self._queues[u][pos[u]].order_no, u))
             else:
                 del pos[u]
 
 
-def _arrival(seq: Seq) -> int:
-    return seq.arrival_no
+def _order(seq: Seq) -> int:
+    return seq.order_no
