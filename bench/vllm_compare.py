@@ -46,6 +46,20 @@ Metrics come from per-request timestamps this harness records, with one definiti
   (Batch: ``tick()`` less the backend call; vLLM: ``schedule()`` + ``update_from_output()``),
   the fake forward excluded.
 
+Issue 38's measures, on each clock (and each chunking of a GPU clock):
+
+* every anchor's **equal-demand variant** beside it, ``NAME (equal demand)``: the same rows with
+  ``user = eq{i mod 5}`` by row index, so that the users' demand is about equal by construction
+  (``--no-equal-demand`` leaves them out). vLLM's own scheduler is FCFS and never reads the user,
+  so its run of the anchor is reused for the variant, users relabelled (the output says so);
+* a **per-user table**: per trace, mean TTFT and TTFT p99 over all requests, then each user's TTFT
+  p99 under each scheduler, ``*`` marking the users at or below the mean demand (a user's demand:
+  its prompt + output tokens in the trace);
+* an **acceptance summary**, Batch against vLLM, one row per anchor, each cell a computed ratio
+  and whether it meets the issue's bound: output tok/s >= vLLM's, mean TTFT <= vLLM's, TTFT p99 of
+  every user at or below the mean demand <= vLLM's (the largest ratio shown), preemptions <=
+  vLLM's, and on the equal-demand variant TTFT p99 <= 1.03x vLLM's.
+
 On the A/B trace (user ``B`` a light user beside a heavy ``A``) it also prints B's median
 TTFT with A present over B's median TTFT with the same B requests alone, in three timings:
 ``at once`` (every request submitted at time 0, TTFT from then), ``from submit`` (each request
@@ -668,6 +682,200 @@ def cpu_sweep(runner: Callable[..., Run], sizes: Sequence[int] = SWEEP_SIZES, re
             for n in sizes}
 
 
+# ----------------------------------------------------------------------------- per user, equal demand, acceptance
+
+#: The equal-demand variant of a trace: its rows with ``user = eq{i mod 5}`` by row index (issue 38),
+#: so that every user's demand is about the same by construction; shown as ``NAME (equal demand)``.
+EQUAL_DEMAND = " (equal demand)"
+EQUAL_USERS = 5
+#: Issue 38's bound on the equal-demand variants: Batch's TTFT p99 at most this times vLLM's.
+EQUAL_P99_BOUND = 1.03
+
+
+def equal_demand(reqs: Sequence[TraceRequest], users: int = EQUAL_USERS) -> list[TraceRequest]:
+    """The same rows (ids, arrivals, lengths) with user ``eq{i mod users}`` for the ``i``-th row."""
+    return [dataclasses.replace(r, user=f"eq{i % users}") for i, r in enumerate(reqs)]
+
+
+def demand(reqs: Sequence[TraceRequest]) -> dict[str, int]:
+    """Each user's demand: the prompt + output tokens of its rows in the trace."""
+    out: dict[str, int] = {}
+    for r in reqs:
+        out[r.user] = out.get(r.user, 0) + r.prompt_tokens + r.output_tokens
+    return out
+
+
+def light_users(reqs: Sequence[TraceRequest]) -> set[str]:
+    """The users whose demand is at or below the mean demand over the trace's users."""
+    d = demand(reqs)
+    mean = statistics.fmean(d.values()) if d else 0.0
+    return {u for u, x in d.items() if x <= mean}
+
+
+def user_ttft_p99(run: Run) -> dict[str, float]:
+    """Each user's TTFT p99 (s, from the nominal arrival) in ``run``."""
+    by: dict[str, list[float]] = {}
+    for t in run.timings:
+        by.setdefault(t.user, []).append(t.first_s - t.arrival_s)
+    return {u: percentile(xs, 99) for u, xs in by.items()}
+
+
+def relabeled(run: Run, reqs: Sequence[TraceRequest]) -> Run:
+    """``run`` with each timing's user taken from ``reqs`` (matched by request id): a run of a
+    scheduler blind to users (vLLM's FCFS) reused for a variant that differs only in its users.
+
+    Raises:
+        ValueError: ``reqs`` and ``run`` do not hold the same request ids.
+    """
+    user = {r.rid: r.user for r in reqs}
+    if set(user) != {t.rid for t in run.timings}:
+        raise ValueError(f"{run.name}: the variant's requests are not the run's")
+    return dataclasses.replace(run, timings=[dataclasses.replace(t, user=user[t.rid]) for t in run.timings])
+
+
+@dataclass
+class Trial:
+    """One trace (an anchor or its equal-demand variant) on one clock: its requests (users and
+    demand) and each scheduler's run, by the scheduler's name."""
+
+    trace: str
+    reqs: list[TraceRequest]
+    runs: dict[str, Run] = field(default_factory=dict)
+
+
+def with_equal_demand(trace: str, reqs: Sequence[TraceRequest], runners: Sequence[tuple[str, Callable[..., Run]]],
+                      user_blind: Sequence[str], *, equal: bool = True,
+                      on_trial: Callable[[Trial, str], None] | None = None) -> list[Trial]:
+    """The anchor's trial and (``equal``) its equal-demand variant's; the runners named in
+    ``user_blind`` run once, on the anchor, and their runs are reused for the variant.
+    ``on_trial(trial, name)`` is called after each scheduler's run (to print its row at once)."""
+    out = []
+    for tname, treqs in ((trace, list(reqs)), (trace + EQUAL_DEMAND, equal_demand(reqs))) if equal else (
+            (trace, list(reqs)),):
+        reuse = {n: out[0].runs[n] for n in user_blind if out and n in out[0].runs}
+        trial = Trial(tname, treqs)
+        for name, runner in runners:
+            trial.runs[name] = relabeled(reuse[name], treqs) if name in reuse else runner(treqs)
+            if on_trial is not None:
+                on_trial(trial, name)
+        out.append(trial)
+    return out
+
+
+def per_user_lines(trials: Sequence[Trial], names: Sequence[str]) -> list[str]:
+    """The per-user table: per trace, mean TTFT and TTFT p99 over all requests, then each user's
+    TTFT p99 (seconds) under each scheduler; ``*`` marks the users at or below the mean demand."""
+    out = ["| trace | user | requests | demand (tokens) | " + " | ".join(names) + " |",
+           "|---|---|---|---|" + "---|" * len(names)]
+    for tr in trials:
+        sums = {n: summarize(tr.runs[n]) for n in names}
+        out.append(f"| `{tr.trace}` | all: mean TTFT | {len(tr.reqs)} | {sum(demand(tr.reqs).values()):,} | "
+                   + " | ".join(f"{sums[n].ttft_mean_s:.3f}" for n in names) + " |")
+        out.append(f"| `{tr.trace}` | all: TTFT p99 | | | " + " | ".join(f"{sums[n].ttft_p99_s:.3f}" for n in names)
+                   + " |")
+        d, light = demand(tr.reqs), light_users(tr.reqs)
+        counts: dict[str, int] = {}
+        for r in tr.reqs:
+            counts[r.user] = counts.get(r.user, 0) + 1
+        p99 = {n: user_ttft_p99(tr.runs[n]) for n in names}
+        for u in sorted(d, key=lambda u: (d[u], u)):
+            out.append(f"| `{tr.trace}` | {u}{' *' if u in light else ''} | {counts[u]} | {d[u]:,} | "
+                       + " | ".join(f"{p99[n][u]:.3f}" for n in names) + " |")
+    return out
+
+
+@dataclass(frozen=True)
+class Check:
+    """One cell of the acceptance summary: the figure as printed and whether it meets the bound."""
+
+    text: str
+    met: bool
+
+    def cell(self) -> str:
+        return f"{self.text} {'met' if self.met else '**not met**'}"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else (1.0 if a == b else math.inf)
+
+
+def acceptance(anchor: Trial, variant: Trial | None, batch: str, vllm: str) -> dict[str, Check]:
+    """Issue 38's figures for one anchor, Batch (``batch``) against vLLM (``vllm``), each computed:
+
+    * ``throughput``: Batch's output tok/s over vLLM's, >= 1;
+    * ``mean TTFT``: Batch's over vLLM's, <= 1;
+    * ``light p99``: per user at or below the mean demand, Batch's TTFT p99 over vLLM's, the
+      largest (its user named), <= 1;
+    * ``preemptions``: Batch's and vLLM's, Batch's <= vLLM's;
+    * ``equal p99``: on the equal-demand variant (if run), Batch's TTFT p99 over vLLM's, <= 1.03.
+    """
+    b, v = summarize(anchor.runs[batch]), summarize(anchor.runs[vllm])
+    out: dict[str, Check] = {}
+    r = _ratio(b.throughput_tok_s, v.throughput_tok_s)
+    out["throughput"] = Check(f"{r:.3f}", r >= 1.0)
+    r = _ratio(b.ttft_mean_s, v.ttft_mean_s)
+    out["mean TTFT"] = Check(f"{r:.3f}", r <= 1.0)
+    bp, vp = user_ttft_p99(anchor.runs[batch]), user_ttft_p99(anchor.runs[vllm])
+    ratios = {u: _ratio(bp[u], vp[u]) for u in light_users(anchor.reqs)}
+    worst = max(ratios, key=lambda u: (ratios[u], u))
+    out["light p99"] = Check(f"{ratios[worst]:.3f} ({worst}; {len(ratios)} user{'' if len(ratios) == 1 else 's'})",
+                             all(x <= 1.0 for x in ratios.values()))
+    out["preemptions"] = Check(f"{b.preemptions} / {v.preemptions}", b.preemptions <= v.preemptions)
+    if variant is not None:
+        r = _ratio(summarize(variant.runs[batch]).ttft_p99_s, summarize(variant.runs[vllm]).ttft_p99_s)
+        out["equal p99"] = Check(f"{r:.3f}", r <= EQUAL_P99_BOUND)
+    return out
+
+
+ACCEPTANCE_COLUMNS = (("throughput", "tok/s Batch / vLLM >= 1"), ("mean TTFT", "mean TTFT Batch / vLLM <= 1"),
+                      ("light p99", "light users' TTFT p99 Batch / vLLM <= 1 (largest)"),
+                      ("preemptions", "preemptions Batch / vLLM, Batch's <= vLLM's"),
+                      ("equal p99", f"equal demand: TTFT p99 Batch / vLLM <= {EQUAL_P99_BOUND:g}"))
+
+
+def acceptance_lines(trials: Sequence[Trial], batch: str, vllm: str) -> list[str]:
+    """The acceptance summary (``acceptance``), one row per anchor of ``trials`` (each followed by
+    its equal-demand variant when it was run), and a last line counting the cells met."""
+    out = ["| anchor | " + " | ".join(h for _, h in ACCEPTANCE_COLUMNS) + " | all met |",
+           "|---|" + "---|" * (len(ACCEPTANCE_COLUMNS) + 1)]
+    met = total = 0
+    by_name = {t.trace: t for t in trials}
+    for tr in trials:
+        if tr.trace.endswith(EQUAL_DEMAND):
+            continue
+        checks = acceptance(tr, by_name.get(tr.trace + EQUAL_DEMAND), batch, vllm)
+        met += sum(c.met for c in checks.values())
+        total += len(checks)
+        cells = [checks[k].cell() if k in checks else "not run" for k, _ in ACCEPTANCE_COLUMNS]
+        out.append(f"| `{tr.trace}` | " + " | ".join(cells) + f" | {'yes' if all(c.met for c in checks.values()) else 'no'} |")
+    out.append(f"\n{met} of {total} cells met ({batch} against {vllm}).")
+    return out
+
+
+def equal_demand_note(user_blind: Sequence[str]) -> str:
+    """The line above a table with equal-demand rows: what they are and which runs are reused."""
+    note = (f"`NAME{EQUAL_DEMAND}`: the same rows with user = eq{{i mod {EQUAL_USERS}}} by row index (every user's "
+            f"demand about equal by construction).")
+    if user_blind:
+        note += (f" {', '.join(user_blind)}: run once per trace and reused for its variant, users relabelled "
+                 f"(vLLM's scheduler is FCFS and never reads the user, so its run is the same).")
+    return note
+
+
+def print_per_user(trials: Sequence[Trial], names: Sequence[str], vllm: str | None, batch: str = "Batch") -> None:
+    """Print the per-user TTFT table (``per_user_lines``) and, with a vLLM run (``vllm``: its
+    scheduler's name), the acceptance summary (``acceptance_lines``)."""
+    print("\nMean TTFT and TTFT p99 per user (s, from each request's arrival); demand = the user's prompt + output "
+          "tokens in the trace; `*`: at or below the mean demand over the trace's users\n")
+    print("\n".join(per_user_lines(trials, names)))
+    if vllm is None:
+        print("\nAcceptance summary (issue 38): not computed, no vLLM run.")
+        return
+    print(f"\nAcceptance summary (issue 38), {batch} against {vllm}: each cell the computed ratio (or counts) and "
+          "whether it meets the issue's bound; light users = at or below the mean demand\n")
+    print("\n".join(acceptance_lines(trials, batch, vllm)))
+
+
 # ----------------------------------------------------------------------------- report
 
 HEADER = ("| trace | scheduler | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | "
@@ -799,9 +1007,10 @@ def reference_runner(clock: Clock, vllm: bool) -> tuple[str, Callable[..., Run]]
 
 
 def gpu_section(clock: Clock, files: Sequence[Path], *, load: float, fcfs: bool, tolerances: Sequence[int],
-                vllm: bool, fair_vllm: bool, ab: bool = True) -> None:
-    """Print the GPU-clock tables: capacity per trace, then each trace at ``load`` x capacity under
-    each chunking (``CHUNKINGS``), then the A/B ratios on it."""
+                vllm: bool, fair_vllm: bool, ab: bool = True, equal: bool = True) -> None:
+    """Print the GPU-clock tables: capacity per trace, then each trace (and, with ``equal``, its
+    equal-demand variant: the same arrivals) at ``load`` x capacity under each chunking
+    (``CHUNKINGS``), the per-user TTFT table and the acceptance summary, then the A/B ratios on it."""
     print(f"\n## GPU clock `{clock.name}`\n\n{clock.describe()}\n")
     ref_name, ref = reference_runner(clock, vllm)
     print(f"Capacity: the steady-state completion rate of a saturation run through {ref_name}: the trace's "
@@ -822,16 +1031,24 @@ def gpu_section(clock: Clock, files: Sequence[Path], *, load: float, fcfs: bool,
         runners = gpu_runners(clock, thr, chunk, fcfs=fcfs, tolerances=tolerances, vllm=vllm, fair_vllm=fair_vllm)
         print(f"\n### {label}, load {load:g}\n")
         print("TTFT from each request's arrival; req/s and tok/s: requests and output tokens / (last completion - "
-              "first arrival)\n")
+              "first arrival)")
+        if equal:
+            print(equal_demand_note([f"vLLM (thr {thr})"] if vllm else []))
+        print()
         print(GPU_HEADER)
         print("|---|---|---|---|---|---|---|---|---|---|")
         ab_results: list[ABResult] = []
+        trials: list[Trial] = []
+        vname = f"vLLM (thr {thr})" if vllm else None
         for name, scaled, rate in loaded:
-            for rname, runner in runners:
-                run = runner(scaled)
-                print(gpu_row(name, load, rate, run, rname), flush=True)
-                if ab and name == AB_TRACE and thr == CHUNK_TOKENS:
-                    ab_results.append(ab_ratios(runner, scaled, timed_with=run, name=rname))
+            trials += with_equal_demand(name, scaled, runners, [vname] if vname else [], equal=equal,
+                                        on_trial=lambda tr, rname, rate=rate: print(
+                                            gpu_row(tr.trace, load, rate, tr.runs[rname], rname), flush=True))
+            if ab and name == AB_TRACE and thr == CHUNK_TOKENS:
+                anchor = next(t for t in trials if t.trace == AB_TRACE)
+                for rname, runner in runners:
+                    ab_results.append(ab_ratios(runner, scaled, timed_with=anchor.runs[rname], name=rname))
+        print_per_user(trials, [rname for rname, _ in runners], vname)
         if ab_results:
             print(f"\nA/B trace `{AB_TRACE}` at load {load:g}, this chunking: B's median TTFT with A present over "
                   "the same B requests alone\n")
@@ -940,6 +1157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.9, help="on a GPU clock: the anchors' load, a fraction of the "
                                                            "capacity (default 0.9)")
     p.add_argument("--no-anchors", action="store_true", help="on a GPU clock: skip the anchor tables")
+    p.add_argument("--no-equal-demand", action="store_true",
+                   help="skip the anchors' equal-demand variants (the same rows, user = eq{i mod 5} by row index)")
     p.add_argument("--load-sweep", action="store_true",
                    help=f"on each GPU clock: the load sweep ({', '.join(map(str, SWEEP_LOADS))} of capacity) on "
                         f"{SWEEP_TRACE} and its plot (--plot)")
@@ -985,7 +1204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if not a.no_anchors:
             gpu_section(clock, files, load=a.load, fcfs=a.fcfs, tolerances=a.tolerance, vllm=vllm,
-                        fair_vllm=a.fair_vllm)
+                        fair_vllm=a.fair_vllm, equal=not a.no_equal_demand)
         if a.load_sweep:
             sweep = folder / SWEEP_TRACE
             if not sweep.is_file():
@@ -1034,17 +1253,25 @@ def stub_section(a: argparse.Namespace, files: Sequence[Path], folder: Path) -> 
         print(f"vLLM V1 Scheduler: long_prefill_token_threshold={a.vllm_threshold}, block_size {BLOCK_TOKENS}, "
               f"{KV_BLOCKS} blocks, prefix caching off, CPU")
     print("TTFT and e2e from each request's nominal arrival; sched CPU = the scheduler's own code per step, "
-          "fake forward excluded\n")
+          "fake forward excluded")
+    equal = not a.no_equal_demand
+    if equal:
+        print(equal_demand_note([vname] if not a.batch_only else []))
+    print()
     print(HEADER)
     print("|---|---|---|---|---|---|---|---|")
     ab: list[ABResult] = []
+    trials: list[Trial] = []
     for path in files:
         reqs = load_requests(path)
-        for name, runner in runners:
-            run = runner(reqs)
-            print(table_row(path.name, summarize(run), name), flush=True)
-            if path.name == AB_TRACE:
-                ab.append(ab_ratios(runner, reqs, timed_with=run, name=name))
+        trials += with_equal_demand(path.name, reqs, runners, [] if a.batch_only else [vname], equal=equal,
+                                    on_trial=lambda tr, name: print(table_row(tr.trace, summarize(tr.runs[name]), name),
+                                                                    flush=True))
+        if path.name == AB_TRACE:
+            anchor = next(t for t in trials if t.trace == AB_TRACE)
+            for name, runner in runners:
+                ab.append(ab_ratios(runner, reqs, timed_with=anchor.runs[name], name=name))
+    print_per_user(trials, [name for name, _ in runners], None if a.batch_only else vname)
     if not a.no_sweep:
         sweeps = [(name, cpu_sweep(runner)) for name, runner in runners]
         print(f"\nScheduler CPU per step (us), n requests decoding together (prompt 4, output 28, "
