@@ -869,7 +869,7 @@ def print_per_user(trials: Sequence[Trial], names: Sequence[str], vllm: str | No
           "tokens in the trace; `*`: at or below the mean demand over the trace's users\n")
     print("\n".join(per_user_lines(trials, names)))
     if vllm is None:
-        print("\nAcceptance summary (issue 38): not computed, no vLLM run.")
+        print("\nAcceptance summary (issue 38): not computed (Batch only).")
         return
     print(f"\nAcceptance summary (issue 38), {batch} against {vllm}: each cell the computed ratio (or counts) and "
           "whether it meets the issue's bound; light users = at or below the mean demand\n")
