@@ -646,8 +646,8 @@ def test_sybil_attacker_first_the_honest_key_gets_at_least_45_percent_in_every_w
     print("sybil attacker-first, single server: whole run", row["honest_share"], "windows", shares)
     assert row["order"] == "attacker-first" and len(shares) == 2, row
     assert set(row["attacker_statuses"]) == set(row["honest_statuses"]) == {"200"}, row
-    assert all(x is not None and x >= MIN_HONEST_SHARE for x in shares), row
-    assert row["honest_share"] >= MIN_HONEST_SHARE, row
+    assert all(x is not None and x >= MIN_HONEST_SHARE for x in shares), row  # the whole run's share, with
+    # the first 5 s of the honest key's ramp-up, is printed, not bounded: the issue bounds the windows
 
 
 @pytest.mark.slow

@@ -678,7 +678,8 @@ async def stall_probe(base_url: str, *, streams: int = 100, stream_key: str | No
     server with ``--eos-probability 0`` so that none stops early); after ``warmup_s`` the probe key
     (``probe_key``; ``user`` ``prober``) sends ``probes`` probes one after the other,
     ``probe_gap_s`` apart, each the same request as the idle ones (prompt, ``probe_max_tokens``).
-    ``/health`` is read before each loaded probe (``running``, ``waiting``: the single server's).
+    ``/health`` is read before each loaded probe (``running``, ``waiting``, ``kv_blocks_used``: the
+    single server's; ``None`` where ``/health`` has no such field, as the replicas' ``Ingress``).
 
     Returns:
         ``{"idle_ttft_s": [...], "loaded_ttft_s": [...], "idle_median_s", "loaded_median_s",
@@ -862,7 +863,8 @@ def _stall_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
           f"{1e3 * r['idle_median_s']:.1f} ms idle: ratio {r['ratio_median']:.2f} (max {r['ratio_max']:.2f})")
     print(f"  idle TTFT ms [{ms(r['idle_ttft_s'])}]; loaded [{ms(r['loaded_ttft_s'])}]; the streams' rate over the "
           f"warm-up's second half {r['stream_tok_s']:.0f} tok/s; server at each probe (running / waiting / KV blocks): "
-          + ", ".join(f"{h['running']}/{h['waiting']}/{h['kv_blocks_used']}" for h in r["health"]))
+          + ", ".join("/".join("n/a" if h[k] is None else str(h[k]) for k in ("running", "waiting", "kv_blocks_used"))
+                      for h in r["health"]))
     return 1 if bad else 0
 
 
