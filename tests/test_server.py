@@ -717,6 +717,16 @@ def test_stall_probe_times_the_same_request_idle_and_beside_a_keys_long_streams(
     assert r["ratio_median"] == pytest.approx(r["loaded_median_s"] / r["idle_median_s"]), r
     assert r["stream_tokens"] > 0 and r["stream_statuses"] == {"200": 8}, r  # no stream ended in 1 s
     assert all(h["running"] + h["waiting"] >= 8 for h in r["health"]), r  # the streams were there at each probe
+    # the probes' TTFT on the server's clock too, from /metrics read with the probe's key
+    assert r["server_idle_mean_s"] > 0 and r["server_loaded_mean_s"] > 0, r
+    assert r["server_ratio"] == pytest.approx(r["server_loaded_mean_s"] / r["server_idle_mean_s"]), r
+
+
+def test_user_sums_add_a_users_series_over_the_other_labels():
+    name = "batch:user_time_to_first_token_seconds_count"
+    m = {f'{name}{{user="a",replica="0"}}': 2.0, f'{name}{{replica="1",user="a"}}': 3.0, f'{name}{{user="b"}}': 1.0,
+         f'{name}_other{{user="a"}}': 9.0, "batch:other": 4.0}
+    assert bench_serve.user_sums(m, name) == {"a": 5.0, "b": 1.0}
 
 
 # ---------------------------------------------------------------- the command

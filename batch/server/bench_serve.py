@@ -659,6 +659,45 @@ async def _probe(client: httpx.AsyncClient, base_url: str, key: str | None, prom
     return first - sent
 
 
+_USER_LABEL = re.compile(r'[{,]user="([^"]*)"')
+
+
+def user_sums(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """Per ``user`` label, the sum of the series ``name`` in a scrape (``scrape``'s dict) over its
+    other labels (a ``replica`` label on the replicas' ``Ingress``)."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if k.startswith(name + "{"):
+            m = _USER_LABEL.search(k)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + v
+    return out
+
+
+def _server_ttft(before: dict[str, float], after: dict[str, float], user: str | None = None
+                 ) -> tuple[str | None, float | None]:
+    """The server's mean TTFT (s) between two scrapes for ``user``, or (``None``) for the user whose
+    TTFT count grew most; ``(user, mean)``, ``(None, None)`` when no user's count grew."""
+    name = "batch:user_time_to_first_token_seconds"
+    n0, n1 = user_sums(before, name + "_count"), user_sums(after, name + "_count")
+    s0, s1 = user_sums(before, name + "_sum"), user_sums(after, name + "_sum")
+    grown = {u: n1[u] - n0.get(u, 0.0) for u in n1 if n1[u] > n0.get(u, 0.0)}
+    if user is None:
+        if not grown:
+            return None, None
+        user = max(grown, key=grown.get)
+    if not grown.get(user):
+        return user, None
+    return user, (s1[user] - s0.get(user, 0.0)) / grown[user]
+
+
+def _scrape_or_empty(base_url: str, key: str | None) -> dict[str, float]:
+    try:
+        return scrape(base_url, headers={"Authorization": f"Bearer {key}"} if key else None)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def _health(base_url: str) -> dict[str, Any]:
     try:
         return httpx.get(f"{base_url}/health", timeout=30).json()
@@ -684,8 +723,13 @@ async def stall_probe(base_url: str, *, streams: int = 100, stream_key: str | No
     Returns:
         ``{"idle_ttft_s": [...], "loaded_ttft_s": [...], "idle_median_s", "loaded_median_s",
         "loaded_max_s", "ratio_median", "ratio_max", "health": [...], "stream_tokens",
-        "stream_tok_s", "streams", "stream_max_tokens", "warmup_s", "probe_max_tokens", "stream_statuses"}``;
+        "stream_tok_s", "streams", "stream_max_tokens", "warmup_s", "probe_max_tokens", "stream_statuses",
+        "server_idle_mean_s", "server_loaded_mean_s", "server_ratio"}``;
         ``ratio_median`` = loaded median / idle median, ``ratio_max`` = loaded max / idle median;
+        the ``server_`` figures: the probes' mean TTFT on the server's clock (handler submit to
+        first token, ``batch:user_time_to_first_token_seconds`` of the probe key's user, read from
+        ``/metrics`` with the probe key around each phase), ``None`` where ``/metrics`` did not
+        answer;
         ``stream_tok_s``: the streams' token chunks per second over the warm-up's last half.
 
     Raises:
@@ -695,12 +739,19 @@ async def stall_probe(base_url: str, *, streams: int = 100, stream_key: str | No
     prompt = f"probe {words}"
     n = itertools.count()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=2 * streams + 8)
+    # The replicas' Ingress renders metrics each replica pushed (every second): wait for the last push.
+    settle_s = 0.0 if "in_flight" in _health(base_url) else 2.5
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
         await _probe(client, base_url, probe_key, prompt, probe_max_tokens)  # warm-up: connections, code paths
+        await asyncio.sleep(settle_s)
+        m0 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
         idle = []
         for _ in range(probes):
             idle.append(await _probe(client, base_url, probe_key, prompt, probe_max_tokens))
             await asyncio.sleep(probe_gap_s)
+        await asyncio.sleep(settle_s)
+        m1 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
+        probe_user, server_idle = _server_ttft(m0, m1)
         side, stop = SybilSide(), asyncio.Event()
         window = [-math.inf, math.inf]
         headers = (lambda: {"Authorization": f"Bearer {stream_key}"}) if stream_key else (lambda: {})
@@ -713,11 +764,15 @@ async def stall_probe(base_url: str, *, streams: int = 100, stream_key: str | No
         t1 = time.perf_counter()
         loaded, health = [], []
         try:
+            m2 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
             for _ in range(probes):
                 h = await asyncio.to_thread(_health, base_url)
                 health.append({k: h.get(k) for k in ("running", "waiting", "kv_blocks_used", "ticks")})
                 loaded.append(await _probe(client, base_url, probe_key, prompt, probe_max_tokens))
                 await asyncio.sleep(probe_gap_s)
+            await asyncio.sleep(settle_s)
+            m3 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
+            _, server_loaded = _server_ttft(m2, m3, probe_user) if probe_user else (None, None)
         finally:
             stop.set()
             for t in tasks:
@@ -730,7 +785,9 @@ async def stall_probe(base_url: str, *, streams: int = 100, stream_key: str | No
             "loaded_max_s": max(loaded), "ratio_median": loaded_med / idle_med, "ratio_max": max(loaded) / idle_med,
             "health": health, "stream_tokens": len(side.times), "stream_tok_s": recent / (t1 - half),
             "streams": streams, "stream_max_tokens": stream_max_tokens, "warmup_s": warmup_s,
-            "probe_max_tokens": probe_max_tokens, "stream_statuses": side.statuses}
+            "probe_max_tokens": probe_max_tokens, "stream_statuses": side.statuses,
+            "server_idle_mean_s": server_idle, "server_loaded_mean_s": server_loaded,
+            "server_ratio": server_loaded / server_idle if server_idle and server_loaded is not None else None}
 
 
 def _wait_idle(base_url: str, timeout_s: float = 60.0) -> None:
@@ -861,6 +918,9 @@ def _stall_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
           f"{r['warmup_s']:g} s: a {r['probe_max_tokens']}-token request's TTFT "
           f"{1e3 * r['loaded_median_s']:.1f} ms median (max {1e3 * r['loaded_max_s']:.1f}) against "
           f"{1e3 * r['idle_median_s']:.1f} ms idle: ratio {r['ratio_median']:.2f} (max {r['ratio_max']:.2f})")
+    if r["server_ratio"] is not None:
+        print(f"  on the server's clock (submit to first token, /metrics): mean {1e3 * r['server_loaded_mean_s']:.1f} ms "
+              f"loaded against {1e3 * r['server_idle_mean_s']:.1f} ms idle: ratio {r['server_ratio']:.2f}")
     print(f"  idle TTFT ms [{ms(r['idle_ttft_s'])}]; loaded [{ms(r['loaded_ttft_s'])}]; the streams' rate over the "
           f"warm-up's second half {r['stream_tok_s']:.0f} tok/s; server at each probe (running / waiting / KV blocks): "
           + ", ".join("/".join("n/a" if h[k] is None else str(h[k]) for k in ("running", "waiting", "kv_blocks_used"))
