@@ -847,7 +847,8 @@ def acceptance_lines(trials: Sequence[Trial], batch: str, vllm: str) -> list[str
         met += sum(c.met for c in checks.values())
         total += len(checks)
         cells = [checks[k].cell() if k in checks else "not run" for k, _ in ACCEPTANCE_COLUMNS]
-        out.append(f"| `{tr.trace}` | " + " | ".join(cells) + f" | {'yes' if all(c.met for c in checks.values()) else 'no'} |")
+        every = "yes" if all(c.met for c in checks.values()) else "no"
+        out.append(f"| `{tr.trace}` | " + " | ".join(cells) + f" | {every} |")
     out.append(f"\n{met} of {total} cells met ({batch} against {vllm}).")
     return out
 

@@ -848,7 +848,8 @@ def _sybil_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
     lead = (2.0 if a.attacker_lead_s is None else a.attacker_lead_s) if a.attacker_first else a.sybil_lead_s
     if lead < 0 or not a.share_window_s > 0 or a.share_window_skip_s < 0 or (
             a.share_window_step_s is not None and not a.share_window_step_s > 0):
-        p.error("--attacker-lead-s and --share-window-skip-s must be >= 0, --share-window-s and --share-window-step-s > 0")
+        p.error("--attacker-lead-s and --share-window-skip-s must be >= 0, --share-window-s and "
+                "--share-window-step-s > 0")
     hw, aw = a.sybil_weights
     fair = hw / (hw + aw)
     rows = []
@@ -919,8 +920,8 @@ def _stall_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
           f"{1e3 * r['loaded_median_s']:.1f} ms median (max {1e3 * r['loaded_max_s']:.1f}) against "
           f"{1e3 * r['idle_median_s']:.1f} ms idle: ratio {r['ratio_median']:.2f} (max {r['ratio_max']:.2f})")
     if r["server_ratio"] is not None:
-        print(f"  on the server's clock (submit to first token, /metrics): mean {1e3 * r['server_loaded_mean_s']:.1f} ms "
-              f"loaded against {1e3 * r['server_idle_mean_s']:.1f} ms idle: ratio {r['server_ratio']:.2f}")
+        print(f"  on the server's clock (submit to first token, /metrics): mean "
+              f"{1e3 * r['server_loaded_mean_s']:.1f} ms loaded against {1e3 * r['server_idle_mean_s']:.1f} ms idle: ratio {r['server_ratio']:.2f}")
     print(f"  idle TTFT ms [{ms(r['idle_ttft_s'])}]; loaded [{ms(r['loaded_ttft_s'])}]; the streams' rate over the "
           f"warm-up's second half {r['stream_tok_s']:.0f} tok/s; server at each probe (running / waiting / KV blocks): "
           + ", ".join("/".join("n/a" if h[k] is None else str(h[k]) for k in ("running", "waiting", "kv_blocks_used"))
