@@ -96,9 +96,12 @@ $(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
 	$(VLLM_PIP) -r bench/requirements-vllm.txt
 	touch $@
 
+# Both clocks: the stub's and an H100's (batch.sim.gpu_profile); the load sweep writes
+# docs/img/vllm-load-sweep.png; then the GPU model's calibration against its published figures.
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm $(ARGS)
-	$(VLLM_VENV)/bin/python bench/vllm_prefix_compare.py
+	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm --fcfs --gpu stub,h100-llama3-8b --load-sweep $(ARGS)
+	$(VLLM_VENV)/bin/python bench/vllm_prefix_compare.py --gpu stub,h100-llama3-8b
+	$(VLLM_VENV)/bin/python bench/gpu_calibration.py
 
 # Every figure the README and docs/ quote, each step a fresh process (tools/figures.py; its first
 # line in each generated file names the step, command and commit). ARGS="--list", "--only ablation,load",

@@ -14,6 +14,11 @@ Added beside them, without changing those defaults:
   output does not depend on which requests shared its batches, nor on preemption), and an
   optional ``VirtualClock`` that ``forward`` advances instead of sleeping.
 * ``VirtualClock``: simulated seconds, so a 10,000-request experiment runs in seconds.
+* ``SimulatedGPU(profile=NAME)``: a ``ProfiledGPU``, whose iteration time is a real deployment's
+  (``batch.sim.gpu_profile``: prefill tokens, decode sequences and KV read priced from published
+  measurements). It needs each request's work this step, so it is a paged backend: the scheduler
+  calls its ``execute_model(items)`` (``batch.core.backend_api.BatchItem``), never ``forward``.
+  The plain ``SimulatedGPU`` keeps the stub's ``forward`` and no ``execute_model``.
 """
 from __future__ import annotations
 
@@ -127,6 +132,9 @@ class VirtualClock:
 class SimulatedGPU:
     """The stub's model with its parameters exposed; ``forward`` is a bound drop-in.
 
+    ``SimulatedGPU(profile=NAME, ...)`` builds a ``ProfiledGPU`` instead (the same arguments; see
+    that class): a token-aware iteration time from ``batch.sim.gpu_profile.get(NAME)``.
+
     Args:
         base_s: fixed cost of one iteration, seconds (default 5 ms).
         per_request_s: added cost per request in the batch, seconds (default 1 ms).
@@ -141,6 +149,11 @@ class SimulatedGPU:
         ValueError: a latency is negative or ``eos_probability`` is outside ``[0, 1]``.
     """
 
+    def __new__(cls, *args, profile: str | None = None, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        if profile is not None and cls is SimulatedGPU:
+            return super().__new__(ProfiledGPU)
+        return super().__new__(cls)
+
     def __init__(
         self,
         *,
@@ -149,7 +162,10 @@ class SimulatedGPU:
         eos_probability: float = EOS_PROBABILITY,
         seed: int | None = None,
         clock: VirtualClock | None = None,
+        profile: str | None = None,
     ) -> None:
+        if profile is not None:
+            raise ValueError("SimulatedGPU(profile=...) is built by ProfiledGPU; this instance has no profile")
         if base_s < 0 or per_request_s < 0:
             raise ValueError(f"latencies must be >= 0 s, got base_s={base_s}, per_request_s={per_request_s}")
         if not 0.0 <= eos_probability <= 1.0:
@@ -184,6 +200,66 @@ class SimulatedGPU:
         self.iterations += 1
         self.busy_s += dt
         return [_draw_token(self._rng_for(r), len(r.generated), r.max_tokens, self.eos_probability) for r in batch]
+
+    __call__ = forward
+
+    def _advance(self, dt: float) -> None:
+        """Spend ``dt`` seconds: advance the clock, or sleep without one; count the iteration."""
+        if self.clock is None:
+            time.sleep(dt)
+        else:
+            self.clock.advance(dt)
+        self.iterations += 1
+        self.busy_s += dt
+
+
+class ProfiledGPU(SimulatedGPU):
+    """The stub's token rule on a real deployment's clock: a paged backend whose ``execute_model``
+    prices each iteration with ``batch.sim.gpu_profile`` from what it computes.
+
+    Args:
+        profile: a ``batch.sim.gpu_profile`` profile name (``"h100-llama3-8b"``).
+        eos_probability, seed, clock: as ``SimulatedGPU``'s (``base_s`` and ``per_request_s``
+            are accepted and unused: the profile prices the iteration).
+
+    Raises:
+        ValueError: an unknown profile name (``gpu_profile.UnknownProfileError``), or as
+            ``SimulatedGPU``.
+    """
+
+    def __init__(self, *, profile: str, eos_probability: float = EOS_PROBABILITY, seed: int | None = None,
+                 clock: VirtualClock | None = None, base_s: float = ITERATION_BASE_S,
+                 per_request_s: float = ITERATION_PER_REQUEST_S) -> None:
+        from batch.sim import gpu_profile  # noqa: PLC0415 (only for a profiled GPU)
+
+        super().__init__(base_s=base_s, per_request_s=per_request_s, eos_probability=eos_probability, seed=seed,
+                         clock=clock)
+        self.profile = gpu_profile.get(profile)
+
+    def latency_items_s(self, items: Sequence) -> float:
+        """Seconds of one iteration over ``items`` (``BatchItem``s, or anything with
+        ``num_new_tokens`` and ``num_computed_tokens``): the profile's ``step_time_s``."""
+        return self.profile.step_time_s([(it.num_new_tokens, it.num_computed_tokens) for it in items])
+
+    def execute_model(self, items: Sequence) -> list[int]:
+        """One iteration over ``items`` (``batch.core.backend_api.BatchItem``, batch order): advance
+        the clock (or sleep) by the profile's step time; return a token per item by the stub's rule
+        (the scheduler keeps it only where ``item.sample``)."""
+        if not items:
+            return []
+        self._advance(self.latency_items_s(items))
+        return [_draw_token(self._rng_for(it.request), len(it.request.generated), it.request.max_tokens,
+                            self.eos_probability) for it in items]
+
+    def forward(self, batch: Sequence[Request]) -> list[int]:
+        """Not available: a profiled GPU prices the tokens each request computes, which a plain
+        batch of ``Request``s does not say. Pass the object as the scheduler's backend.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(f"ProfiledGPU({self.profile.name!r}) needs each request's tokens this step: pass the "
+                        f"object as the backend (the scheduler calls its execute_model), not its forward")
 
     __call__ = forward
 

@@ -8,6 +8,8 @@
     python -m batch --policy fcfs --json                 # FCFS admission; one JSON object of the metrics
     python -m batch --trace mooncake_conversation_trace.jsonl --limit 400 --kv-cap-blocks 2048
                                                          # a Mooncake trace, prefix caching on (its default)
+    python -m batch --gpu h100-llama3-8b --trace mooncake_conversation_trace.jsonl --limit 400
+                                                         # on an H100's clock with vLLM's limits for it
 
 Installed, the same command is ``batch-sim``. A ``--trace`` given by file name is looked up in
 ``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the checkout
@@ -17,6 +19,12 @@ Prefix caching (``Scheduler(prefix_caching=True)``, ``docs/prefix-caching.md``) 
 a Mooncake ``.jsonl`` trace, whose prompts share prefixes (``hash_ids``), and off otherwise, as
 ``Scheduler()`` ships; ``--prefix-caching`` / ``--no-prefix-caching`` choose. A Mooncake prompt is
 about 7,000 tokens: give it a cache that fits (``--kv-cap-blocks 2048``); the default stays 256.
+
+``--gpu NAME`` replaces the stub's clock (5 ms + 1 ms per request an iteration) with a real
+deployment's (``batch.sim.gpu_profile``: Llama-3-8B in bf16 on one H100 for ``h100-llama3-8b``): an
+iteration costs what its prefill tokens, decode sequences and KV reads cost there, and the KV cache,
+token budget and most resident requests default to vLLM's for that GPU (28,094 blocks, 8,192 tokens,
+1,024 requests). The clock is then virtual unless ``--clock real`` asks for sleeps.
 
 A run that lasts more than 2 s shows a progress bar of finished requests on stderr when stderr is
 a terminal. A bad argument is one ``batch: error: ...`` line on stderr and exit status 2 (``--help``
@@ -36,7 +44,7 @@ from typing import Callable, NoReturn, Sequence
 import inference_stub
 import request_gen
 from batch.core import goodput, metrics
-from batch.sim import traces
+from batch.sim import gpu_profile, traces
 from batch.sim.simulate import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, POLICIES, format_metrics, json_metrics,
                                 run_workload)
 from scheduler import Scheduler
@@ -139,6 +147,10 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
     p.add_argument("--no-progress", action="store_true",
                    help="hide the progress bar (shown on stderr, when it is a terminal, once a run lasts 2 s)")
+    p.add_argument("--gpu", choices=("stub", *gpu_profile.names()), default="stub",
+                   help="the simulated GPU's clock: stub (5 ms + 1 ms per request an iteration, the default) or a "
+                        "deployment's step cost (h100-llama3-8b: Llama-3-8B bf16 on one H100, with vLLM's limits "
+                        "for it as the defaults of --kv-cap-blocks, --token-budget, --max-running)")
     p.add_argument("--backend", choices=("stub", "model"), default="stub",
                    help="stub: the simulated GPU (default); model: a Hugging Face Llama-family model on a paged "
                         "KV cache (needs the 'model' extra; real clock)")
@@ -161,6 +173,11 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     a = p.parse_args(argv)
     if a.backend == "model" and a.clock == "virtual":
         p.error("--backend model runs on the real clock (its iteration time is the model's)")
+    gpu = None if a.gpu == "stub" else a.gpu
+    if gpu and a.backend == "model":
+        p.error(f"--gpu {a.gpu} prices the simulated GPU's iterations; --backend model runs a real one (drop one)")
+    if gpu and a.policy == "static":
+        p.error(f"--policy static pads batches through the stub's forward; it runs on --gpu stub only")
     sched_cls, make_policy, _ = POLICIES[a.policy]
     if a.backend == "model" and sched_cls is not Scheduler:
         p.error(f"--policy {a.policy} runs on the stub backend only (with --backend model: "
@@ -184,7 +201,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                "--limit 0 asks for no trace rows" if a.limit == 0 else f"trace {a.trace} has no rows")
         print(f"{prog}: nothing to run: {why}", file=sys.stderr)
         return 0
-    virtual = (a.clock or ("virtual" if a.trace else "real")) == "virtual"
+    virtual = (a.clock or ("virtual" if a.trace or gpu else "real")) == "virtual"
     kw = {k: v for k, v in (("kv_cap_blocks", a.kv_cap_blocks), ("max_running", a.max_running),
                             ("token_budget_tokens", a.token_budget)) if v is not None}
     prefix = a.prefix_caching if a.prefix_caching is not None else bool(a.trace and a.trace.endswith(".jsonl"))
@@ -216,19 +233,23 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         virtual = False
     else:
         make = sched_cls if make_policy is None else lambda **k: sched_cls(policy=make_policy(), **k)  # noqa: E731
+        if gpu:
+            label += f", GPU {gpu_profile.get(gpu).describe()}"
         out(f"Batch on {label}")
         res = run_workload(reqs, make_scheduler=make, virtual=virtual, gpu_seed=a.gpu_seed, eos_probability=eos_p,
-                           progress=progress, **kw)
+                           progress=progress, gpu=gpu, **kw)
     s = res.scheduler
     m = s.metrics()
     good = goodput.good_requests(res.completed(), slo)
     if a.json:
         print(json.dumps(json_metrics(m, res, slo=slo, good=good, policy=a.policy,
                                       policy_class=type(s.policy).__name__, scheduler_class=type(s).__name__,
-                                      backend=a.backend, clock="virtual" if virtual else "real", workload=label),
+                                      backend=a.backend, gpu=a.gpu, clock="virtual" if virtual else "real",
+                                      workload=label),
                          indent=2))
         return 0
-    out(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}; KV cap {s.config.kv_cap_blocks} blocks x "
+    out(f"clock: {'virtual' if virtual else 'real-time ' + a.backend}"
+        f"{'' if gpu is None or a.backend == 'model' else ', GPU ' + gpu}; KV cap {s.config.kv_cap_blocks} blocks x "
         f"{s.config.block_tokens} tokens; prefill chunk {s.config.prefill_chunk_tokens}; policy {s.policy.name} "
         f"(--policy {a.policy})")
     out(format_metrics(m, res, slo=slo, good=good))

@@ -70,9 +70,16 @@ tolerance curve, the anchors' table of every variant, then the matrix of every v
 common workloads. ``--json`` prints everything as one JSON object instead. ``--quick`` is a small
 run (seconds), what ``tests/test_ablation.py`` runs.
 
+``--gpu h100-llama3-8b`` reruns everything on a GPU's clock (``batch.sim.gpu_profile``: an
+iteration costs what its prefill tokens, decode sequences and KV reads cost on an H100 with
+Llama-3-8B) while every workload keeps its own cache and ``Scheduler()``'s limits, so that a
+verdict that changes is the clock's doing (``docs/design.md`` says which do). The token-clock rows
+of the isolation mechanism are left out there: every row is token-driven on that clock.
+
 Usage, from the project root::
 
     python bench/ablation.py [--quick] [--seeds 10] [--only victim,tolerance] [--json]
+    python bench/ablation.py --gpu h100-llama3-8b
     .venv-vllm/bin/python bench/ablation.py --only tolerance    # vLLM's figures measured, not quoted
 """
 from __future__ import annotations
@@ -97,13 +104,14 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import bench  # noqa: E402  (bench/bench.py)
+import inference_stub  # noqa: E402
 import bench_fairness as bf  # noqa: E402
 import vllm_compare as vc  # noqa: E402
 from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
 from batch.policies.vtc import VTCPolicy  # noqa: E402
 from batch.sim import simulate, workloads  # noqa: E402
 from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+from scheduler import MAX_RUNNING_REQUESTS, Scheduler  # noqa: E402
 from spec import fairness_rules as fr  # noqa: E402
 
 #: A tolerance no counter gap reaches: every backlogged user is eligible, admission is arrival order.
@@ -360,6 +368,32 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return vc.percentile(list(xs), q)
 
 
+#: The clock of every run (``--gpu``): None, the stub's (5 ms + 1 ms per request an iteration); a
+#: ``batch.sim.gpu_profile`` name, that deployment's step cost, with each workload's own cache and
+#: Batch's default limits kept, so that only the iteration time changes.
+GPU: str | None = None
+
+
+def run_workload(reqs: Sequence[Request], **kw: Any) -> simulate.RunResult:
+    """``simulate.run_workload`` on the ablation's clock (``GPU``): on a GPU profile, the workload's
+    ``kv_cap_blocks`` (default 256), 256 resident requests and the whole cache as the token budget,
+    as ``Scheduler()`` has them."""
+    if GPU is not None and kw.get("gpu") is None:
+        kw["gpu"] = GPU
+        kv = kw.setdefault("kv_cap_blocks", inference_stub.MAX_KV_BLOCKS)
+        kw.setdefault("max_running", MAX_RUNNING_REQUESTS)
+        kw.setdefault("token_budget_tokens", kv * kw.get("block_tokens", inference_stub.KV_BLOCK_TOKENS))
+    return simulate.run_workload(reqs, **kw)
+
+
+def clock() -> vc.Clock:
+    """The clock of the anchor replays (``vllm_compare.run_batch`` / ``run_vllm``): the stub's
+    limits, on the stub's clock or ``GPU``'s step cost."""
+    if GPU is None:
+        return vc.STUB
+    return dataclasses.replace(vc.STUB, name=GPU, profile=vc.clock_for(GPU).profile)
+
+
 def _workload(name: str, quick: bool) -> workloads.Workload:
     pool = workloads.QUICK_WORKLOADS if quick else workloads.WORKLOADS
     return next(w for w in pool if w.name == name)
@@ -367,8 +401,8 @@ def _workload(name: str, quick: bool) -> workloads.Workload:
 
 def run_requests(v: Variant, reqs: list[Request], *, kv_cap_blocks: int = 256, eos_probability: float = 0.0,
                  weights: dict | None = None) -> dict:
-    """One replay through ``simulate.run_workload`` (stub clock, token seed ``bench.GPU_SEED``)."""
-    res = simulate.run_workload(reqs, make_scheduler=v.factory(weights, _Recorder), gpu_seed=bench.GPU_SEED,
+    """One replay through ``simulate.run_workload`` (the ablation's clock, token seed ``bench.GPU_SEED``)."""
+    res = run_workload(reqs, make_scheduler=v.factory(weights, _Recorder), gpu_seed=bench.GPU_SEED,
                                 eos_probability=eos_probability, kv_cap_blocks=kv_cap_blocks, record_itl=False)
     s: _Recorder = res.scheduler
     m = s.metrics()
@@ -393,7 +427,7 @@ def run_batch(v: Variant, reqs: Sequence[vc.TraceRequest], **kw: Any) -> tuple[v
         holder["s"] = inner(**k)
         return holder["s"]
 
-    return vc.run_batch(reqs, factory=make, name=v.key, **kw), holder["s"]
+    return vc.run_batch(reqs, factory=make, name=v.key, clock=clock(), **kw), holder["s"]
 
 
 def vllm_ttft_p99(path: Path) -> tuple[float, str]:
@@ -403,8 +437,8 @@ def vllm_ttft_p99(path: Path) -> tuple[float, str]:
     try:
         vc._vllm()  # noqa: SLF001 - the import check vllm_compare.main makes
     except vc.VLLMUnavailable:
-        return VLLM_TTFT_P99_QUOTED.get(path.name, math.nan), "quoted"
-    return vc.summarize(vc.run_vllm(vc.load_requests(path))).ttft_p99_s, "measured"
+        return (VLLM_TTFT_P99_QUOTED.get(path.name, math.nan) if GPU is None else math.nan), "quoted"
+    return vc.summarize(vc.run_vllm(vc.load_requests(path), clock=clock())).ttft_p99_s, "measured"
 
 
 class Lab:
@@ -502,6 +536,9 @@ class Lab:
                 holder["s"] = inner(clock=clock, backend=forward, **kw)
                 return holder["s"]
 
+            if GPU is not None:  # a GPU clock is token-driven already: run on it as is
+                res = run_workload(objs, make_scheduler=inner, gpu_seed=None, eos_probability=0.0, record_itl=False)
+                return res.finished, res.scheduler
             res = simulate.run_workload(objs, make_scheduler=make, gpu_seed=None, base_s=0.0, per_request_s=0.0,
                                         eos_probability=0.0, record_itl=False)
             return res.finished, res.scheduler
@@ -524,7 +561,7 @@ class Lab:
     def overload(self, v: Variant) -> dict:
         def go() -> dict:
             n = self.cfg.overload_per_user
-            res = simulate.run_workload(bf.overload(0, n_per_user=n), record_itl=False,
+            res = run_workload(bf.overload(0, n_per_user=n), record_itl=False,
                                         make_scheduler=v.factory(None, bf.RecordingScheduler))
             trace = res.scheduler.trace
             m = res.scheduler.metrics()
@@ -537,7 +574,7 @@ class Lab:
         """``bench_fairness``'s weighted overload (``short`` at weight 2): the raw service of
         ``short`` over the mean of the other three's while all four are backlogged (exact: 2.0)."""
         def go() -> float:
-            res = simulate.run_workload(
+            res = run_workload(
                 bf.overload(0, n_per_user=self.cfg.overload_per_user), record_itl=False,
                 make_scheduler=lambda **k: bf.RecordingScheduler(weights=WEIGHTS, **v.kwargs(WEIGHTS), **k))
             acc = bf.raw_service_while_backlogged(res.scheduler.trace, bf.OVERLOAD_USERS, WEIGHTS)
@@ -548,7 +585,7 @@ class Lab:
     # --- the flood (bench_fairness.flood): light users' TTFT beside a large backlog of A's
     def flood(self, v: Variant) -> dict:
         def go() -> dict:
-            res = simulate.run_workload(bf.flood(0, n_flood=self.cfg.flood), make_scheduler=v.factory(None, _Recorder),
+            res = run_workload(bf.flood(0, n_flood=self.cfg.flood), make_scheduler=v.factory(None, _Recorder),
                                         record_itl=False)
             s: _Recorder = res.scheduler
             light = [r.started_at - r.submitted_at for r in res.finished if r.user_id != "A"]
@@ -563,7 +600,7 @@ class Lab:
         def go() -> dict:
             worst, mean = [], []
             for seed in range(self.cfg.longs_seeds):
-                r = simulate.run_workload(longs_amid_shorts(seed, n_short=self.cfg.longs_shorts),
+                r = run_workload(longs_amid_shorts(seed, n_short=self.cfg.longs_shorts),
                                           make_scheduler=v.factory(None, _Recorder), gpu_seed=bench.GPU_SEED,
                                           record_itl=False)
                 w = [t for rid, t in r.scheduler.waits().items() if rid.startswith("L")]
@@ -621,7 +658,7 @@ class Lab:
             worst = []
             for case in range(self.cfg.wait_cases):
                 kv, reqs = starvation_case(case)
-                r = simulate.run_workload(reqs, make_scheduler=v.factory(None, _Recorder), gpu_seed=bench.GPU_SEED,
+                r = run_workload(reqs, make_scheduler=v.factory(None, _Recorder), gpu_seed=bench.GPU_SEED,
                                           eos_probability=0.0, kv_cap_blocks=kv, record_itl=False, max_ticks=10 ** 6)
                 worst.append(max(r.scheduler.waits().values()))
             return {"max_wait_ticks": max(worst), "per_case_max_wait_ticks": worst}
@@ -809,12 +846,14 @@ def row_figures(lab: Lab, v: Variant) -> list[Figure]:
         anchor_trio("ab_from_submit", "B's TTFT ratio from submit", "{:.2f}", names=(vc.AB_TRACE,))
         trio(f"flood ({cfg.flood} requests of A): light users' TTFT p99, ms",
              lambda x: lab.flood(x)["light_ttft_p99_s"] * 1e3, "{:.0f}")
-        trio("token clock (8 ms + 0.02 ms per batched token), A/B: B's TTFT ratio, median",
-             lambda x: lab.ab_tokens(x)["ratio_median"])
-        trio("token clock, A/B: B's TTFT ratio, worst seed", lambda x: lab.ab_tokens(x)["ratio_worst"])
+        if GPU is None:  # on a GPU clock the A/B rows above are token-driven already
+            trio("token clock (8 ms + 0.02 ms per batched token), A/B: B's TTFT ratio, median",
+                 lambda x: lab.ab_tokens(x)["ratio_median"])
+            trio("token clock, A/B: B's TTFT ratio, worst seed", lambda x: lab.ab_tokens(x)["ratio_worst"])
         trio(f"{ab_n}: isolated iterations per run", lambda x: lab.ab(x)["isolated_ticks"], "{:.1f}", outcome=False)
         trio(f"{ab_n}: output tok/s, mean over seeds", lambda x: lab.ab(x)["throughput_tok_s"], "{:.1f}")
-        trio("token clock, A/B: output tok/s, mean", lambda x: lab.ab_tokens(x)["throughput_tok_s"], "{:.1f}")
+        if GPU is None:
+            trio("token clock, A/B: output tok/s, mean", lambda x: lab.ab_tokens(x)["throughput_tok_s"], "{:.1f}")
         trio("flood: output tok/s", lambda x: lab.flood(x)["throughput_tok_s"], "{:.1f}")
         anchor_trio("throughput_tok_s", "output tok/s", "{:.1f}")
     elif v.key == "headroom":
@@ -1100,7 +1139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--traces", default=None, help="folder of the anchor traces (default as bench/vllm_compare.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("-v", "--verbose", action="store_true", help="log each measurement and its CPU time on stderr")
+    p.add_argument("--gpu", default="stub",
+                   help="the clock: stub (5 ms + 1 ms per request, the default) or a GPU profile (h100-llama3-8b: "
+                        "its step cost; each workload's cache and Batch's default limits kept)")
     a = p.parse_args(argv)
+    global GPU
+    if a.gpu != "stub":
+        try:
+            vc.clock_for(a.gpu)
+        except ValueError as e:
+            p.error(str(e))
+        GPU = a.gpu
     only = [x.strip() for x in a.only.split(",")] if a.only else None
     if only and (bad := [x for x in only if x not in KEYS]):
         p.error(f"unknown row {bad[0]!r}; choose from {', '.join(KEYS)}")
@@ -1113,13 +1162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, mat, curve = ablate(cfg, only=only, traces=Path(a.traces) if a.traces else None, matrix=not a.no_matrix,
                               log=log)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    meta = {"date": _dt.date.today().isoformat(), "commit": _commit(), "config": dataclasses.asdict(cfg),
+    meta = {"date": _dt.date.today().isoformat(), "commit": _commit(), "clock": a.gpu, "config": dataclasses.asdict(cfg),
             "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
     if a.json:
         print(json.dumps(_plain({"meta": meta, "rows": [{**dataclasses.asdict(r), "verdict": r.verdict()} for r in rows],
                                  "tolerance_curve": curve, "matrix": mat})))
         return 0
-    print(f"ablation: the default with one mechanism off; simulated clock; {meta['date']}, commit {meta['commit']}; "
+    what = "the stub's simulated clock" if GPU is None else f"GPU clock {GPU} (batch.sim.gpu_profile; caches and limits as on the stub)"
+    print(f"ablation: the default with one mechanism off; {what}; {meta['date']}, commit {meta['commit']}; "
           f"{cpu:.0f} s CPU, {wall:.0f} s wall")
     print()
     print("\n".join(table(rows)))

@@ -1,17 +1,28 @@
 #!/usr/bin/env python3
 """Batch's prefix caching beside vLLM's (``enable_prefix_caching=True``) on the Mooncake traces
-(issue 30, part 5).
+(issues 30 and 41).
 
-The harness of ``bench/vllm_compare.py`` (the same simulated clock, 5 ms + 1 ms per scheduled
-request a step; the same fake forward; the same timing definitions, ``summarize``), with three
-changes:
+Two clocks (``--gpu``, comma-separated; ``make bench-vllm`` runs both). ``stub``: what follows.
+A GPU profile (``h100-llama3-8b``): the iteration costs what it computes on that deployment
+(``batch.sim.gpu_profile``; a prefix hit saves its tokens' compute), both sides get the profile's
+cache (28,094 blocks, vLLM's sizing for an H100) and vLLM's limits for it, ``max_model_len``
+131,072; the first ``GPU_LIMIT`` rows of each trace are time-scaled to ``--load`` (default 0.7)
+of the capacity at each chunking (vLLM's default chunking and the 64-token rule; the capacity is
+the steady-state completion rate of the rows all at once through vLLM with prefix caching), and the
+table adds the steps and the mean tokens and requests a step (the instrumented counts that say
+why two schedulers differ).
+
+On the stub clock: the harness of ``bench/vllm_compare.py`` (the same simulated clock, 5 ms + 1 ms
+per scheduled request a step; the same fake forward; the same timing definitions, ``summarize``),
+with three changes:
 
 * the prompts are real token ids: each Mooncake row's ``hash_ids`` (one per 512-token block)
   become token ids by ``batch.sim.traces.mooncake_prompt``, so equal ids give equal tokens, and
   both schedulers are given the same ids;
 * the KV cache is ``KV_BLOCKS`` = 2,048 blocks of 16 tokens on both sides (32,768 tokens, what
   the ``mooncake-conv`` workload of ``make bench`` uses; the default cap, 256 blocks, is smaller
-  than a median Mooncake prompt), and vLLM's ``max_model_len`` is that many tokens;
+  than a median Mooncake prompt), vLLM's ``max_model_len`` is that many tokens, and both sides get
+  256 resident requests and a token budget of the whole cache (Batch's defaults);
 * prefix caching is on on both sides: ``Scheduler(prefix_caching=True)`` and vLLM's
   ``CacheConfig(enable_prefix_caching=True)``.
 
@@ -30,6 +41,7 @@ Usage, from the repository root::
 
     make bench-vllm                                    # this runs after bench/vllm_compare.py
     .venv-vllm/bin/python bench/vllm_prefix_compare.py [--limit 400] [--only conversation]
+    .venv-vllm/bin/python bench/vllm_prefix_compare.py --gpu h100-llama3-8b [--load 0.7]
     python bench/vllm_prefix_compare.py --batch-only   # no vllm needed: Batch's side only
     python bench/vllm_prefix_compare.py --ab-seeds 10  # the A/B burst with a shared system prompt
 
@@ -38,7 +50,9 @@ Figures and what they mean: ``docs/prefix-caching.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -55,10 +69,16 @@ from batch.sim import simulate, traces  # noqa: E402
 from inference_stub import Request  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
-#: The cache on both sides: 2,048 blocks of 16 tokens (``workloads`` ``mooncake-conv``'s cap).
+#: The cache on both sides on the stub's clock: 2,048 blocks of 16 tokens (``workloads``
+#: ``mooncake-conv``'s cap), and Batch's defaults as the limits of both (256 resident requests, a
+#: token budget of the whole cache).
 KV_BLOCKS = 2048
 BLOCK_TOKENS = vc.BLOCK_TOKENS
 CAP_TOKENS = KV_BLOCKS * BLOCK_TOKENS
+STUB = vc.Clock("stub", KV_BLOCKS, CAP_TOKENS, vc.VLLM_MAX_SEQS, CAP_TOKENS)
+#: On a GPU clock: the load (fraction of the capacity at each chunking) and the rows of each trace.
+GPU_LOAD = 0.7
+GPU_LIMIT = 400
 #: The Mooncake traces, in the order the table prints them.
 TRACES = ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl")
 LIMIT = 400
@@ -90,6 +110,7 @@ class CachedRun:
     hits: int
     new_queries: int | None = None  # the fresh requests' alone (vLLM's exported counters); None: not kept apart
     new_hits: int | None = None
+    isolated_steps: int | None = None  # Batch's isolated iterations (light users' prefill, the rest sit out)
 
     @property
     def hit_rate(self) -> float:
@@ -103,30 +124,33 @@ class CachedRun:
 
 
 def load_requests(path: str | Path, limit: int | None = LIMIT, users: int = USERS,
-                  seed: int = SEED) -> tuple[list[PromptRequest], int]:
-    """The first ``limit`` rows of a Mooncake trace that fit the cache, and how many did not.
+                  seed: int = SEED, clock: vc.Clock = STUB) -> tuple[list[PromptRequest], int]:
+    """The first ``limit`` rows of a Mooncake trace that both sides can serve, and how many not.
 
     Returns:
-        ``(requests, left_out)``: the rows with ``prompt + output <= CAP_TOKENS`` tokens (users
-        ``u1..u<users>`` drawn with ``seed``), and the count of the others.
+        ``(requests, left_out)``: the rows with ``prompt + output`` within the cache and vLLM's
+        ``max_model_len`` (``clock.fits``; users ``u1..u<users>`` drawn with ``seed``), and the
+        count of the others.
     """
     rows = traces.load_mooncake(path, limit=limit, users=users, seed=seed)
     fit = [PromptRequest(r.request_id, r.user_id, float(r.submitted_at), tuple(r.prompt), r.max_tokens)
-           for r in rows if len(r.prompt) + r.max_tokens <= CAP_TOKENS]
+           for r in rows if clock.fits(len(r.prompt), r.max_tokens)]
     return fit, len(rows) - len(fit)
 
 
-def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, name: str = "Batch") -> CachedRun:
-    """Replay ``reqs`` through ``Scheduler(prefix_caching=...)`` on the simulated clock (the rest as
-    ``vllm_compare.run_batch``: 64-token prefill chunks, no early EOS), ``KV_BLOCKS`` blocks.
+def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, name: str = "Batch",
+              clock: vc.Clock = STUB, chunk_tokens: int = vc.CHUNK_TOKENS, at_once: bool = False,
+              factory=Scheduler) -> CachedRun:
+    """Replay ``reqs`` through ``Scheduler(prefix_caching=...)`` on ``clock`` with its limits (the
+    rest as ``vllm_compare.run_batch``: ``chunk_tokens``-token prefill chunks, no early EOS).
 
     Raises:
         RuntimeError: a request did not finish with exactly its output length (or was refused).
     """
     objs = [Request(user_id=r.user, prompt=list(r.prompt), max_tokens=r.output_tokens, request_id=r.rid,
-                    submitted_at=r.arrival_s) for r in reqs]
-    meter = vc._MeteredBatch(functools.partial(Scheduler, prefix_caching=prefix_caching))
-    fresh = [0, 0]  # fresh admissions' looked-up and hit tokens
+                    submitted_at=0.0 if at_once else r.arrival_s) for r in reqs]
+    meter = vc._MeteredBatch(functools.partial(factory, prefix_caching=prefix_caching))
+    fresh = [0, 0, 0]  # fresh admissions' looked-up and hit tokens; isolated iterations
 
     def counting(**kw):
         sched = meter(**kw)
@@ -135,7 +159,9 @@ def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, nam
         def counted_tick():
             done = tick()
             plan = sched._last[0]  # the tick's plan (batch.core.state.Plan): its admissions and their hits
-            if plan is not None and plan.num_admitted:
+            if plan is not None:
+                fresh[2] += bool(plan.isolated)
+            if prefix_caching and plan is not None and plan.num_admitted:
                 for seq in plan.seqs[len(plan.seqs) - plan.num_admitted:]:
                     if seq.num_preemptions == 0:
                         fresh[0] += seq.num_prompt_tokens
@@ -144,46 +170,26 @@ def run_batch(reqs: Sequence[PromptRequest], *, prefix_caching: bool = True, nam
         sched.tick = counted_tick
         return sched
     wall = time.perf_counter()
-    res = simulate.run_workload(objs, make_scheduler=counting if prefix_caching else meter, virtual=True,
+    res = simulate.run_workload(objs, make_scheduler=counting, virtual=True,
                                 gpu_seed=None, base_s=vc.BASE_S, per_request_s=vc.PER_REQUEST_S, eos_probability=0.0,
-                                kv_cap_blocks=KV_BLOCKS, block_tokens=BLOCK_TOKENS,
-                                prefill_chunk_tokens=vc.CHUNK_TOKENS)
+                                gpu=clock.gpu, prefill_chunk_tokens=chunk_tokens, **clock.batch_kwargs())
     wall = time.perf_counter() - wall
-    nominal = {r.rid: r.arrival_s for r in reqs}
+    nominal = {r.rid: 0.0 if at_once else r.arrival_s for r in reqs}
     timings = [vc.Timing(r.request_id, r.user_id, nominal[r.request_id], r.submitted_at, r.started_at,
                          r.completed_at, len(r.generated)) for r in res.finished]
     vc._check_complete(name, reqs, timings)
     m = res.scheduler.metrics()
     run = vc.Run(name, timings, preemptions=m["preemptions"], steps=meter.steps,
-                 sched_cpu_s=meter.tick_cpu_s - meter.forward_cpu_s, wall_s=wall)
-    return CachedRun(run, m.get("prefix_cache_queries", 0), m.get("prefix_cache_hits", 0), fresh[0], fresh[1])
+                 sched_cpu_s=meter.tick_cpu_s - meter.forward_cpu_s, wall_s=wall, **vc.batch_counts(m))
+    return CachedRun(run, m.get("prefix_cache_queries", 0), m.get("prefix_cache_hits", 0), fresh[0], fresh[1],
+                     isolated_steps=fresh[2])
 
 
-def make_vllm_scheduler(threshold: int = vc.CHUNK_TOKENS, prefix_caching: bool = True):
-    """vLLM's V1 ``Scheduler``: ``KV_BLOCKS`` blocks of 16 tokens, ``max_model_len`` = the cache,
-    prefix caching as asked, statistics on (its prefix-cache counters)."""
-    v = vc._vllm()
-    d = vc._VLLM_CACHE.get("prefix_model_dir")
-    if d is None:
-        import tempfile  # noqa: PLC0415
-
-        d = vc._VLLM_CACHE["prefix_model_dir"] = tempfile.mkdtemp(prefix="vllm-prefix-llama-")
-        v.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CAP_TOKENS,
-                      bos_token_id=1, eos_token_id=vc.VLLM_EOS).save_pretrained(d)
-    model = v.ModelConfig(model=d, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=CAP_TOKENS)
-    sched = v.SchedulerConfig(max_model_len=CAP_TOKENS, is_encoder_decoder=False,
-                              max_num_batched_tokens=vc.VLLM_MAX_BATCHED_TOKENS, max_num_seqs=vc.VLLM_MAX_SEQS,
-                              long_prefill_token_threshold=threshold, enable_chunked_prefill=True)
-    cache = v.CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=prefix_caching)
-    cfg = v.VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
-                       device_config=v.DeviceConfig(device="cpu"))
-    cfg.cache_config.num_gpu_blocks = KV_BLOCKS
-    kv = v.KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        v.KVCacheGroupSpec(["layer.0"], v.FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=32,
-                                                            dtype=v.torch.float32))])
-    return v.VScheduler(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=v.StructuredOutputManager(cfg),
-                        block_size=BLOCK_TOKENS, log_stats=True)
+def make_vllm_scheduler(threshold: int = vc.CHUNK_TOKENS, prefix_caching: bool = True, clock: vc.Clock = STUB,
+                        cls=None, **kwargs):
+    """vLLM's V1 ``Scheduler`` (or its subclass ``cls``) with ``clock``'s cache and limits
+    (``max_model_len`` = the clock's), prefix caching as asked, statistics on (its prefix-cache counters)."""
+    return vc.make_vllm_scheduler(threshold, cls, clock=clock, prefix_caching=prefix_caching, log_stats=True, **kwargs)
 
 
 def vllm_block_hasher():
@@ -202,18 +208,20 @@ def vllm_block_hasher():
 
 
 def run_vllm(reqs: Sequence[PromptRequest], *, threshold: int = vc.CHUNK_TOKENS, prefix_caching: bool = True,
-             name: str = "vLLM") -> CachedRun:
-    """Replay ``reqs`` through vLLM's V1 scheduler with prefix caching, the loop of
-    ``vllm_compare.run_vllm`` (arrivals at step boundaries, 5 ms + 1 ms per scheduled request,
-    a token for each request whose prefill is complete, EOS at the recorded length).
+             name: str = "vLLM", clock: vc.Clock = STUB, at_once: bool = False, cls=None, **kwargs) -> CachedRun:
+    """Replay ``reqs`` through vLLM's V1 scheduler (or its subclass ``cls``) with prefix caching,
+    the loop of ``vllm_compare.run_vllm`` (arrivals at step boundaries, ``clock.step_s`` of what
+    was scheduled, a token for each request whose prefill is complete, EOS at the recorded length).
 
     Raises:
         VLLMUnavailable: vllm cannot be imported.
         RuntimeError: a request did not finish with exactly its output length.
     """
     v = vc._vllm()
-    sched = make_vllm_scheduler(threshold, prefix_caching)
+    sched = make_vllm_scheduler(threshold, prefix_caching, clock, cls, **kwargs)
     hasher = vllm_block_hasher() if prefix_caching else None
+    if at_once:
+        reqs = [dataclasses.replace(r, arrival_s=0.0) for r in reqs]
     pending = sorted(reqs, key=lambda r: r.arrival_s)
     out_len = {r.rid: r.output_tokens for r in reqs}
     meta = {r.rid: r for r in reqs}
@@ -224,6 +232,7 @@ def run_vllm(reqs: Sequence[PromptRequest], *, threshold: int = vc.CHUNK_TOKENS,
     timings: list[vc.Timing] = []
     queries = hits = new_queries = new_hits = 0
     now, i, steps, cpu = 0.0, 0, 0, 0.0
+    counts = {"busy_steps": 0, "scheduled_tokens": 0, "scheduled_seqs": 0}
     wall = time.perf_counter()
     while i < len(pending) or sched.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival_s <= now:
@@ -251,7 +260,8 @@ def run_vllm(reqs: Sequence[PromptRequest], *, threshold: int = vc.CHUNK_TOKENS,
             new_hits += stats.hits
         ids = list(out.num_scheduled_tokens)
         if ids:
-            now += vc.BASE_S + vc.PER_REQUEST_S * len(ids)
+            now += clock.step_s(vc.vllm_items(sched, out))
+            vc.count_step(counts, out)
         elif i < len(pending):
             now = max(now, pending[i].arrival_s)
         else:
@@ -277,7 +287,7 @@ def run_vllm(reqs: Sequence[PromptRequest], *, threshold: int = vc.CHUNK_TOKENS,
     wall = time.perf_counter() - wall
     vc._check_complete(name, reqs, timings)
     run = vc.Run(name, timings, preemptions=sum(vr.num_preemptions for vr in vreqs), steps=steps,
-                 sched_cpu_s=cpu, wall_s=wall)
+                 sched_cpu_s=cpu, wall_s=wall, **counts)
     return CachedRun(run, queries, hits, new_queries, new_hits)
 
 
@@ -318,16 +328,118 @@ def ab_shared_prompt_ratios(seeds: Sequence[int], prefix_caching: bool) -> tuple
     return ratios, hit
 
 
+def unbounded_hit_rate(reqs: Sequence[PromptRequest], block_tokens: int = BLOCK_TOKENS) -> float:
+    """The hit rate ``reqs`` would reach in arrival order with a cache that never evicts: each
+    prompt's leading full blocks (``batch.core.prefix_cache.block_keys``) seen in an earlier prompt,
+    in tokens, over all prompt tokens. What the trace window allows; a real cache evicts."""
+    from batch.core.prefix_cache import block_keys  # noqa: PLC0415
+
+    seen: set = set()
+    hit = total = 0
+    for r in sorted(reqs, key=lambda r: r.arrival_s):
+        keys = block_keys(r.prompt, block_tokens)
+        k = 0
+        while k < len(keys) and keys[k] in seen:
+            k += 1
+        hit += k * block_tokens
+        total += len(r.prompt)
+        seen.update(keys)
+    return hit / total if total else 0.0
+
+
+GPU_HEADER = ("| trace | chunking | load (rate, req/s) | scheduler | hit rate (all / fresh) | req/s | tok/s | "
+              "TTFT mean / p50 / p99 (s) | TPOT p50 / p99 (ms) | preemptions | steps (isolated) | "
+              "tokens / requests a step |")
+
+
+def gpu_row(trace: str, chunking: str, load: float, rate: float, c: CachedRun) -> str:
+    s = vc.summarize(c.run)
+    tok, seqs = c.run.per_step()
+    fresh = "n/a" if c.new_hit_rate is None else f"{c.new_hit_rate * 100:.2f}%"
+    return (f"| `{trace}` | {chunking} | {load:.2f} ({rate:.2f}) | {c.run.name} | {c.hit_rate * 100:.2f}% / {fresh} | "
+            f"{s.request_rate:.3f} | {s.throughput_tok_s:.0f} | {s.ttft_mean_s:.2f} / {s.ttft_p50_s:.2f} / "
+            f"{s.ttft_p99_s:.2f} | {s.tpot_p50_s * 1e3:.1f} / {s.tpot_p99_s * 1e3:.1f} | {s.preemptions} | "
+            f"{s.steps}{'' if c.isolated_steps is None else f' ({c.isolated_steps})'} | {tok:.0f} / {seqs:.1f} |")
+
+
+def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: int, users: int, load: float,
+                cold: bool, vllm: bool, diagnose: bool = False) -> None:
+    """Both Mooncake traces with prefix caching on both sides on a GPU clock, at its cache and
+    limits, at ``load`` x the capacity of each chunking (``vllm_compare.CHUNKINGS``): the capacity
+    is the steady-state completion rate of the rows all submitted at once, through vLLM with prefix
+    caching at that chunking (Batch-FCFS where vllm does not import); the rows are not repeated,
+    which would make copies hit each other."""
+    from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
+
+    print(f"\n## GPU clock `{clock.name}`: prefix caching on both sides\n\n{clock.describe()}\n")
+    print(f"First {limit} rows of each trace, {users} users; each trace time-scaled to {load:g} x its capacity at each "
+          f"chunking (the steady-state completion rate of its rows all at time 0 through "
+          f"{'vLLM with prefix caching' if vllm else 'Batch-FCFS with prefix caching (vllm not importable)'} at that "
+          f"chunking: completions between the 10% and 90% marks over the time between them).\n")
+    print("Steps (isolated): Batch's iterations and, in brackets, those it ran isolated (a light user's prefill "
+          "while others sit out); tokens / requests a step: means over the non-empty steps.\n")
+    print(GPU_HEADER)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
+    for name in names:
+        reqs, left_out = load_requests(folder / name, limit, users, clock=clock)
+        mean_prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
+        notes.append(f"`{name}`: {len(reqs)} rows run, {left_out} left out (prompt + output beyond the cache or "
+                     f"max_model_len {clock.max_model_len:,}); mean prompt {mean_prompt:,.0f} tokens, so the cache "
+                     f"holds {clock.kv_blocks * clock.block_tokens / mean_prompt:.0f} of them; hit rate these rows "
+                     f"would reach with a cache that never evicts: {unbounded_hit_rate(reqs) * 100:.1f}%")
+        for label, thr, chunk in vc.CHUNKINGS:
+            chunk = clock.max_num_batched_tokens if chunk is None else chunk
+            short = f"thr {thr} / chunk {chunk}"
+            if vllm:
+                ref = functools.partial(run_vllm, clock=clock, threshold=thr)
+            else:
+                ref = functools.partial(run_batch, clock=clock, chunk_tokens=chunk,
+                                        factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k))
+            cap = vc.capacity(reqs, lambda r, at_once=False: ref(r, at_once=at_once).run, min_requests=0)
+            scaled, rate = vc.at_load(reqs, load, cap)
+            runners = [functools.partial(run_batch, clock=clock, chunk_tokens=chunk)]
+            if diagnose:  # what the difference from vLLM is made of: the order, then isolation
+                runners.append(functools.partial(run_batch, clock=clock, chunk_tokens=chunk, name="Batch-FCFS",
+                                                 factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k)))
+                runners.append(functools.partial(run_batch, clock=clock, chunk_tokens=chunk,
+                                                 name="Batch (isolation=False)",
+                                                 factory=lambda **k: Scheduler(isolation=False, **k)))
+            if cold:
+                runners.append(functools.partial(run_batch, clock=clock, chunk_tokens=chunk, prefix_caching=False,
+                                                 name="Batch (no prefix caching)"))
+            if vllm:
+                runners.append(functools.partial(run_vllm, clock=clock, threshold=thr,
+                                                 name=f"vLLM (thr {thr}, prefix caching)"))
+                if cold:
+                    runners.append(functools.partial(run_vllm, clock=clock, threshold=thr, prefix_caching=False,
+                                                     name=f"vLLM (thr {thr}, no prefix caching)"))
+            for runner in runners:
+                print(gpu_row(name, short, load, rate, runner(scaled)), flush=True)
+            notes.append(f"`{name}`, {short}: capacity {cap:.2f} req/s")
+    print("\n" + "\n".join(notes))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_prefix_compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces", default=None, help=f"the traces folder (default ${traces.TRACES_ENV}, else "
                                                   "../shared/traces beside the checkout)")
     p.add_argument("--only", default=None, help="comma-separated trace names (or parts of them: conversation)")
-    p.add_argument("--limit", type=int, default=LIMIT, help=f"first N rows of each trace (default {LIMIT})")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"first N rows of each trace (default {LIMIT} on the stub clock, {GPU_LIMIT} on a GPU clock)")
     p.add_argument("--users", type=int, default=USERS, help=f"users the rows are spread over (default {USERS})")
     p.add_argument("--batch-only", action="store_true", help="Batch's side only (no vllm needed)")
     p.add_argument("--cold", action="store_true", help="also both schedulers with prefix caching off")
+    p.add_argument("--diagnose", action="store_true",
+                   help="on a GPU clock: also Batch-FCFS and Batch with isolation=False (both with prefix caching): "
+                        "what Batch's difference from vLLM is made of")
+    p.add_argument("--gpu", default="stub",
+                   help="comma-separated clocks: stub (5 ms + 1 ms per request; 2,048 blocks; the default) and/or a GPU "
+                        "profile (h100-llama3-8b: its step cost, cache and limits on both sides, each trace at --load "
+                        "of its capacity, both chunkings)")
+    p.add_argument("--load", type=float, default=GPU_LOAD,
+                   help=f"on a GPU clock: the load, a fraction of the capacity (default {GPU_LOAD})")
     p.add_argument("--ab-seeds", type=int, default=None, metavar="N",
                    help="instead: the A/B burst with a shared system prompt, seeds 0..N-1, Batch with and without "
                         "prefix caching (B's median TTFT with A / alone)")
@@ -339,30 +451,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             what = f"prefix caching on (hit rate {hit * 100:.1f}% on the last seed)" if on else "prefix caching off"
             print(f"| {what} | {', '.join(f'{x:.2f}' for x in ratios)} | {max(ratios):.2f} |")
         return 0
+    try:
+        clocks = [STUB if n.strip() == "stub" else vc.clock_for(n.strip()) for n in a.gpu.split(",") if n.strip()]
+    except ValueError as e:
+        p.error(str(e))
+    if not clocks:
+        p.error("--gpu names no clock")
+    if not 0 < a.load < math.inf:
+        p.error(f"--load must be a fraction of the capacity > 0, got {a.load}")
     folder = traces.traces_dir(a.traces)
     names = [t for t in TRACES if not a.only or any(o in t for o in a.only.split(","))]
     missing = [t for t in names if not (folder / t).is_file()]
     if not names or missing:
         p.error(f"no Mooncake trace {missing or a.only} in {folder} (pass --traces DIR or set {traces.TRACES_ENV})")
-    runners: list[Callable[[Sequence[PromptRequest]], CachedRun]] = [run_batch]
-    if a.cold:
-        runners.append(functools.partial(run_batch, prefix_caching=False, name="Batch (no prefix caching)"))
-    if not a.batch_only:
+    vllm = not a.batch_only
+    if vllm:
         try:
             vc._vllm()
         except vc.VLLMUnavailable as e:
             print(f"vllm_prefix_compare: {e}", file=sys.stderr)
             return 2
+    for clock in clocks:
+        if clock.profile is None:
+            stub_section(a, folder, names, LIMIT if a.limit is None else a.limit, vllm)
+        else:
+            gpu_section(clock, folder, names, limit=GPU_LIMIT if a.limit is None else a.limit, users=a.users,
+                        load=a.load, cold=a.cold, vllm=vllm, diagnose=a.diagnose)
+    return 0
+
+
+def stub_section(a: argparse.Namespace, folder: Path, names: Sequence[str], limit: int, vllm: bool) -> None:
+    """The stub clock's table (the comparison as it ran before the GPU clock), 2,048 blocks."""
+    runners: list[Callable[[Sequence[PromptRequest]], CachedRun]] = [run_batch]
+    if a.cold:
+        runners.append(functools.partial(run_batch, prefix_caching=False, name="Batch (no prefix caching)"))
+    if vllm:
         runners.append(functools.partial(run_vllm, name="vLLM (thr 64, prefix caching)"))
         if a.cold:
             runners.append(functools.partial(run_vllm, prefix_caching=False, name="vLLM (thr 64, no prefix caching)"))
-    print(f"Prefix caching on Mooncake (first {a.limit} rows, {a.users} users): simulated clock {vc.BASE_S * 1e3:g} ms "
+    print(f"Prefix caching on Mooncake (first {limit} rows, {a.users} users): simulated clock {vc.BASE_S * 1e3:g} ms "
           f"+ {vc.PER_REQUEST_S * 1e3:g} ms per scheduled request per step; KV {KV_BLOCKS} blocks x {BLOCK_TOKENS} "
-          f"tokens on both sides; prompts from hash_ids (batch.sim.traces.mooncake_prompt); EOS at each "
-          f"request's recorded output length")
-    if not a.batch_only:
+          f"tokens on both sides; limits on both sides: max_num_seqs = Batch max_running = {STUB.max_num_seqs}, "
+          f"max_num_batched_tokens = Batch token_budget_tokens = {STUB.max_num_batched_tokens}; prompts from hash_ids "
+          f"(batch.sim.traces.mooncake_prompt); EOS at each request's recorded output length")
+    if vllm:
         print(f"vLLM V1 Scheduler: enable_prefix_caching=True, long_prefill_token_threshold={vc.CHUNK_TOKENS}, "
-              f"max_num_batched_tokens={vc.VLLM_MAX_BATCHED_TOKENS}, max_num_seqs={vc.VLLM_MAX_SEQS}, "
               f"max_model_len={CAP_TOKENS}, CPU")
     print("hit rate = prefix-cache hit tokens / looked-up tokens, over every admission (all: a preempted request "
           "coming back hits its own blocks) and over fresh requests alone (vLLM's exported prefix_cache_hits / "
@@ -371,12 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     notes = []
     for name in names:
-        reqs, left_out = load_requests(folder / name, a.limit, a.users)
+        reqs, left_out = load_requests(folder / name, limit, a.users)
         notes.append(f"`{name}`: {len(reqs)} rows run, {left_out} left out (prompt + output > {CAP_TOKENS} tokens)")
         for runner in runners:
             print(table_row(name, runner(reqs)), flush=True)
     print("\n" + "\n".join(notes))
-    return 0
 
 
 if __name__ == "__main__":

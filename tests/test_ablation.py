@@ -148,3 +148,21 @@ def test_vllm_figures_are_quoted_when_vllm_is_not_importable(monkeypatch, tmp_pa
     got, source = ablation.vllm_ttft_p99(tmp_path / "other.csv")
     assert math.isnan(got) and source == "quoted"
     assert set(ablation.VLLM_TTFT_P99_QUOTED) == set(vc.ORDER)
+
+
+def test_on_a_gpu_clock_only_the_iteration_time_changes(monkeypatch, tmp_path):
+    """``--gpu h100-llama3-8b``: every replay prices its iterations with the GPU profile while the
+    workload's cache and ``Scheduler()``'s limits stay; the token-clock rows (redundant there) go."""
+    monkeypatch.setattr(ablation, "GPU", "h100-llama3-8b")
+    reqs = [scheduler.Request(user_id="u", prompt=[1] * 100, max_tokens=2, request_id="r")]
+    res = ablation.run_workload(reqs, eos_probability=0.0, gpu_seed=0)
+    cfg = res.scheduler.config
+    assert (cfg.kv_cap_blocks, cfg.max_running, cfg.token_budget_tokens) == (256, 256, 4096)
+    h100 = vc.clock_for("h100-llama3-8b").profile
+    want = h100.step_time_s([(64, 0)]) + h100.step_time_s([(36, 64)]) + h100.step_time_s([(1, 100)])
+    assert res.sim_s == pytest.approx(want)
+    clock = ablation.clock()
+    assert clock.profile is h100 and clock.kv_blocks == vc.STUB.kv_blocks
+    rows, _, _ = ablation.ablate(ablation.Config.quick(), only=["isolation"], matrix=False,
+                                 traces=vc.traces_dir() if (vc.traces_dir() / vc.AB_TRACE).is_file() else tmp_path)
+    assert not any(f.label.startswith("token clock") for f in rows[0].figures)

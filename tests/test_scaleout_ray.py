@@ -3,7 +3,9 @@ simulated GPU at the stub's latency: a replica killed mid-run loses nothing (its
 retried on the other from scratch and come back with the same tokens), the A/B burst over both
 replicas keeps B's median TTFT within 2.5x of alone (the goal is 1.5x: met in 18 of 20 runs), streams give the non-streaming answer and
 survive a kill mid-stream with each token once, a stream its caller abandons is aborted, the
-Ingress streams the single-process server's chunks and serves /metrics per replica, and a
+Ingress streams the single-process server's chunks and serves /metrics per replica, the Sybil
+test over ``batch serve --replicas 2`` holds in both orders (the honest key first: the attacker's
+share at most 55%; the attacker first: the honest key's at least 45% in every 15-s window), and a
 flooding user gets no more than its share of either replica when each light user is pinned to one
 replica, which holds only with the shared counters (the same run without them is the control), and
 a returning user's lift on one replica reaches the other through the counters actor.
@@ -166,9 +168,11 @@ def test_replicas_with_keys_answer_401_without_a_valid_key_and_serve_the_keys_us
         sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-honest\r\n"
                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"")
         time.sleep(0.2)
+    _assert_401(httpx.get(f"{url}/metrics", timeout=60))  # with keys, /metrics needs one too by default
     deadline = time.monotonic() + 30  # the replicas push their metrics every second
     while True:
-        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text)}
+        scraped = httpx.get(f"{url}/metrics", timeout=60, headers={"Authorization": "Bearer sk-honest"})
+        fams = {f.name: f for f in text_string_to_metric_families(scraped.text)}
         users = {smp.labels.get("user") for smp in fams["batch:generation_tokens"].samples} - {None}
         if users or time.monotonic() > deadline:
             break
@@ -178,7 +182,7 @@ def test_replicas_with_keys_answer_401_without_a_valid_key_and_serve_the_keys_us
     assert fams["batch:counter_store_resident_memory_bytes"].samples[0].value > 0
     rejected = {smp.labels["code"]: smp.value for smp in fams["batch:request_rejected"].samples
                 if "code" in smp.labels}
-    assert rejected.get("401") == 5 and rejected.get("400") == 2 and "500" not in rejected, rejected
+    assert rejected.get("401") == 6 and rejected.get("400") == 2 and "500" not in rejected, rejected
 
 
 def test_replicas_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_only_401s(replicas_server):
@@ -193,6 +197,30 @@ def test_replicas_sybil_one_key_gets_at_most_55_percent_and_made_up_keys_get_onl
     assert one["attacker_share"] <= SYBIL_MAX_SHARE, one
     assert made_up["attacker_tokens"] == 0 and made_up["honest_tokens"] > 0, made_up
     assert set(made_up["attacker_statuses"]) == {"401"} and made_up["attacker_statuses"]["401"] >= 64, made_up
+
+
+#: The attacker-first Sybil test (issue 38): the honest key's share in every 15-s window from 5 s
+#: after it arrives at least 0.45; the issue implies 60 s, the test covers two windows (35 s).
+MIN_HONEST_SHARE = 0.45
+ATTACKER_FIRST_DURATION_S = 35
+
+
+def test_replicas_sybil_attacker_first_the_honest_key_gets_at_least_45_percent_in_every_window(replicas_server):
+    # The attacker's key opens 64 endless streams first, the honest key's 64 two seconds later,
+    # through the Ingress to both replicas (the shared counters decide each replica's order).
+    out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", replicas_server.url,
+                          "--sybil", "one-key", "--attacker-first", "--attacker-lead-s", "2", "--honest-key",
+                          "sk-honest", "--attacker-key", "sk-attacker", "--sybil-duration-s",
+                          str(ATTACKER_FIRST_DURATION_S), "--share-window-s", "15", "--share-window-skip-s", "5",
+                          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["sybil"]
+    shares = [w["honest_share"] for w in row["windows"]]
+    print("sybil attacker-first, 2 replicas: whole run", row["honest_share"], "windows", shares)
+    assert row["order"] == "attacker-first" and len(shares) == 2, row
+    assert set(row["attacker_statuses"]) == set(row["honest_statuses"]) == {"200"}, row
+    assert all(x is not None and x >= MIN_HONEST_SHARE for x in shares), row  # the whole run's share, with
+    # the first 5 s of the honest key's ramp-up, is printed, not bounded: the issue bounds the windows
 
 
 def test_replicas_ctrl_c_ends_every_stream_with_abort_and_done_and_prints_no_traceback(replicas_server):

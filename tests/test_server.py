@@ -189,11 +189,12 @@ def test_with_keys_no_key_a_wrong_key_or_basic_auth_get_401_on_every_v1_route():
             s.openai("sk-made-up").completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert s.openai("sk-bob-1").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
         assert httpx.get(f"{s.url}/health").status_code == 200  # open
-        metrics = httpx.get(f"{s.url}/metrics")  # open unless metrics_need_key
+        _assert_401(httpx.get(f"{s.url}/metrics"))  # with keys, /metrics needs one too by default
+        metrics = httpx.get(f"{s.url}/metrics", headers={"Authorization": "Bearer sk-bob-1"})
         assert metrics.status_code == 200 and "sk-" not in metrics.text
-        m = bench_serve.scrape(s.url)
+        m = bench_serve.scrape(s.url, headers={"Authorization": "Bearer sk-bob-1"})
     assert seen == ["alice", "alice", "bob"]  # nothing refused reached the engine
-    assert m['batch:request_rejected_total{code="401"}'] == 3 * len(bad_headers) + 2
+    assert m['batch:request_rejected_total{code="401"}'] == 3 * len(bad_headers) + 3
     assert not any(k.startswith("batch:request_rejected_total") and "413" in k for k in m)
 
 
@@ -218,7 +219,7 @@ def test_with_keys_the_identity_is_the_keys_user_whatever_the_body_says():
         s.openai("sk-alice-1").completions.create(model=MODEL, prompt="x", max_tokens=2)
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "alice"})
         _assert_401(r)  # naming a user is no key
-        m = bench_serve.scrape(s.url)
+        m = bench_serve.scrape(s.url, headers={"Authorization": "Bearer sk-bob-1"})
     assert seen == ["bob"] * 4 + ["alice", "alice"]
     labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
     assert labelled == {"alice", "bob"}
@@ -609,6 +610,125 @@ def test_sybil_control_random_user_names_become_new_identities_where_the_user_fi
     assert len(seen) >= row["attacker_requests"], (len(seen), row)  # one new identity per attacker request
 
 
+#: The attacker-first Sybil test (issue 38): the honest key's share of the tokens in every window
+#: from ``SHARE_WINDOW_SKIP_S`` after it arrives, at least ``MIN_HONEST_SHARE``. The issue implies
+#: 60 s of 15-s windows; a test runs ``ATTACKER_FIRST_DURATION_S`` (two back-to-back 15-s windows
+#: from 5 s after the honest key arrives), the weighted one ``WEIGHTED_DURATION_S`` (one window).
+MIN_HONEST_SHARE = 0.45
+SHARE_WINDOW_S = 15.0
+SHARE_WINDOW_SKIP_S = 5.0
+ATTACKER_FIRST_DURATION_S = 35.0
+WEIGHTED_DURATION_S = 20.0
+#: Issue 38: weights 2:1 give 67/33 within 3 points.
+WEIGHTED_TOLERANCE = 0.03
+SYBIL_KEYS = {"sk-honest": "honest", "sk-attacker": "attacker"}
+
+
+def run_sybil_attacker_first(url: str, duration_s: float, *args: str) -> dict:
+    """``batch bench-serve --sybil one-key --attacker-first`` (2-s lead, 15-s windows from 5 s after
+    the honest key arrives) against ``url``; its one row."""
+    (row,) = run_sybil(url, "one-key", "--attacker-first", "--attacker-lead-s", "2", "--honest-key", "sk-honest",
+                       "--attacker-key", "sk-attacker", "--share-window-s", str(SHARE_WINDOW_S),
+                       "--share-window-skip-s", str(SHARE_WINDOW_SKIP_S), *args, duration_s=duration_s)
+    return row
+
+
+@pytest.mark.slow
+def test_sybil_attacker_first_the_honest_key_gets_at_least_45_percent_in_every_window():
+    # Issue 38's order: the attacker's key opens 64 endless streams first (no early EOS, the stub's
+    # 256-block cache, real time), the honest key's 64 two seconds later. A core that lets the first
+    # comer keep what it holds gave the honest key 20-23% here; a fair one gives it about half in
+    # every window from 5 s after it arrives (covered: two 15-s windows, 35 s after it arrives).
+    with LiveServer(ServerConfig(api_keys=dict(SYBIL_KEYS)), eos_probability=0.0, time_scale=1.0) as s:
+        row = run_sybil_attacker_first(s.url, ATTACKER_FIRST_DURATION_S)
+        _assert_idle(s.drained(60))
+    shares = [w["honest_share"] for w in row["windows"]]
+    print("sybil attacker-first, single server: whole run", row["honest_share"], "windows", shares)
+    assert row["order"] == "attacker-first" and len(shares) == 2, row
+    assert set(row["attacker_statuses"]) == set(row["honest_statuses"]) == {"200"}, row
+    assert all(x is not None and x >= MIN_HONEST_SHARE for x in shares), row  # the whole run's share, with
+    # the first 5 s of the honest key's ramp-up, is printed, not bounded: the issue bounds the windows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("honest_weight, attacker_weight", [(2, 1), (1, 2)])
+def test_sybil_attacker_first_with_weights_2_to_1_gives_67_33_within_3_points(honest_weight, attacker_weight):
+    # The same order with the config's weights: the honest key's share in the window from 5 s
+    # after it arrives (one 15-s window) within 3 points of its weighted share, whichever key
+    # has weight 2.
+    fair = honest_weight / (honest_weight + attacker_weight)
+    with LiveServer(ServerConfig(api_keys=dict(SYBIL_KEYS)), eos_probability=0.0, time_scale=1.0,
+                    weights={"honest": honest_weight, "attacker": attacker_weight}) as s:
+        row = run_sybil_attacker_first(s.url, WEIGHTED_DURATION_S, "--sybil-weights",
+                                       f"{honest_weight}:{attacker_weight}")
+        _assert_idle(s.drained(60))
+    shares = [w["honest_share"] for w in row["windows"]]
+    print(f"sybil attacker-first, weights {honest_weight}:{attacker_weight}: whole run", row["honest_share"],
+          "windows", shares)
+    assert len(shares) == 1 and row["fair_honest_share"] == pytest.approx(fair), row
+    assert all(x is not None and abs(x - fair) <= WEIGHTED_TOLERANCE for x in shares), row
+
+
+def test_window_shares_count_each_partys_tokens_per_window():
+    honest = [0.5, 1.0, 1.5, 2.5, 3.5, 9.0]
+    attacker = [0.2, 1.2, 2.0, 2.1, 2.9, 3.0]
+    w = bench_serve.window_shares(honest, attacker, 1.0, 3.0, window_s=1.0)  # [1, 2) and [2, 3)
+    assert [(x["from_s"], x["to_s"], x["honest_tokens"], x["attacker_tokens"]) for x in w] == \
+        [(0.0, 1.0, 2, 1), (1.0, 2.0, 1, 3)]
+    assert [x["honest_share"] for x in w] == [2 / 3, 1 / 4]
+    w = bench_serve.window_shares(honest, attacker, 1.0, 3.5, window_s=1.0, step_s=0.5)  # sliding
+    assert [(x["from_s"], x["honest_tokens"], x["attacker_tokens"]) for x in w] == \
+        [(0.0, 2, 1), (0.5, 1, 2), (1.0, 1, 3), (1.5, 1, 2)]
+    assert bench_serve.window_shares([], [], 0.0, 2.0, window_s=1.0)[0]["honest_share"] is None
+    assert bench_serve.window_shares(honest, attacker, 0.0, 0.9, window_s=1.0) == []  # no window fits
+    row = {"windows": bench_serve.window_shares(honest, attacker, 1.0, 3.0, window_s=1.0)}
+    spread = bench_serve.share_spread(row)
+    assert spread["min"] == 1 / 4 and spread["max"] == 2 / 3 and spread["shares"] == [2 / 3, 1 / 4]
+    assert spread["mean"] == pytest.approx((2 / 3 + 1 / 4) / 2)
+    for bad in ({"window_s": 0.0}, {"window_s": 1.0, "step_s": -1.0}):
+        with pytest.raises(ValueError, match="must be > 0"):
+            bench_serve.window_shares(honest, attacker, 0.0, 3.0, **bad)
+
+
+def test_sybil_and_stall_command_lines_refuse_bad_arguments(srv):
+    base = ["--base-url", srv.url]
+    for argv, what in ((["--sybil", "one-key", "--attacker-lead-s", "2"], "--attacker-lead-s needs --attacker-first"),
+                       (["--sybil", "one-key", "--sybil-weights", "2:0"], "--sybil-weights"),
+                       (["--sybil", "one-key", "--attacker-first", "--share-window-s", "0"], "--share-window-s"),
+                       (["--stall", "0"], "--stall")):
+        out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", *base, *argv],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 2 and what in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
+
+
+def test_stall_probe_times_the_same_request_idle_and_beside_a_keys_long_streams():
+    # The stall probe's mechanics (its figure is a benchmark's: docs, issue 38): 8 streams of 3000
+    # tokens on one key for 1 s, then 2 probes of another key, each a 2-token request timed to its
+    # first token, as the 2 idle ones before; /health read at each loaded probe.
+    with LiveServer(ServerConfig(api_keys=dict(SYBIL_KEYS)), eos_probability=0.0, time_scale=0.05) as s:
+        out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", s.url, "--stall",
+                              "8", "--stall-warmup-s", "1", "--stall-probes", "2", "--stall-probe-gap-s", "0.1",
+                              "--honest-key", "sk-honest", "--attacker-key", "sk-attacker", "--json"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout)["stall"]
+        _assert_idle(s.drained(60))
+    assert len(r["idle_ttft_s"]) == len(r["loaded_ttft_s"]) == len(r["health"]) == 2, r
+    assert r["ratio_median"] == pytest.approx(r["loaded_median_s"] / r["idle_median_s"]), r
+    assert r["stream_tokens"] > 0 and r["stream_statuses"] == {"200": 8}, r  # no stream ended in 1 s
+    assert all(h["running"] + h["waiting"] >= 8 for h in r["health"]), r  # the streams were there at each probe
+    # the probes' TTFT on the server's clock too, from /metrics read with the probe's key
+    assert r["server_idle_mean_s"] > 0 and r["server_loaded_mean_s"] > 0, r
+    assert r["server_ratio"] == pytest.approx(r["server_loaded_mean_s"] / r["server_idle_mean_s"]), r
+
+
+def test_user_sums_add_a_users_series_over_the_other_labels():
+    name = "batch:user_time_to_first_token_seconds_count"
+    m = {f'{name}{{user="a",replica="0"}}': 2.0, f'{name}{{replica="1",user="a"}}': 3.0, f'{name}{{user="b"}}': 1.0,
+         f'{name}_other{{user="a"}}': 9.0, "batch:other": 4.0}
+    assert bench_serve.user_sums(m, name) == {"a": 5.0, "b": 1.0}
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -753,33 +873,33 @@ def test_engine_death_answers_requests_queued_during_the_fatal_tick():
 
 
 def test_per_user_metric_labels_are_bounded():
-    with LiveServer(ServerConfig(known_users=("vip",), max_user_labels=3, trust_user_field=True),
-                    weights={"vip": 2}) as s:
+    # the config's users (here a weighted one) count against the cap as any other
+    with LiveServer(ServerConfig(max_user_labels=3, trust_user_field=True), weights={"vip": 2}) as s:
         for u in ["vip", *(f"rnd{i}" for i in range(8))]:
             r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2, "user": u})
             assert r.status_code == 200
         m = bench_serve.scrape(s.url)
     labelled = {k.split('"')[1] for k in m if k.startswith("batch:prompt_tokens_total{")}
-    assert labelled == {"vip", "rnd0", "rnd1", "rnd2", "other"}
-    assert m['batch:prompt_tokens_total{user="other"}'] == 5 * 2
+    assert labelled == {"vip", "rnd0", "rnd1", "other"}
+    assert m['batch:prompt_tokens_total{user="other"}'] == 6 * 2
     gen = {k.split('"')[1] for k in m if k.startswith("batch:generation_tokens_total{")}
     ttft = {k.split('"')[1] for k in m if k.startswith("batch:user_time_to_first_token_seconds_count{")}
     assert gen == ttft == labelled
 
 
 def test_the_servers_own_per_user_state_stays_bounded_over_many_users():
-    # outside the scheduler, the server keeps per user only its metric labels: the config's users
-    # and the first max_user_labels others; 20,000 more users add no label and no series
+    # outside the scheduler, the server keeps per user only its metric labels: the first
+    # max_user_labels users; 20,000 more users add no label and no series
     from batch.server.metrics import ServerMetrics
-    m = ServerMetrics(build_engine(time_scale=0.01)[0], known_users=("vip",), max_user_labels=10)
+    m = ServerMetrics(build_engine(time_scale=0.01)[0], max_user_labels=10)
     for i in range(20_000):
         label = m.user_label(f"u{i}")
         m.prompt_tokens.labels(label).inc(3)
         m.generation_tokens.labels(label).inc(1)
         m.user_ttft.labels(label).observe(0.01)
-    assert len(m._labels) == 11
+    assert len(m._labels) == 10
     series = {k for k in m.render().decode().splitlines() if k.startswith("batch:prompt_tokens_total{")}
-    assert len(series) == 11  # u0..u9 and "other" ("vip" has none yet)
+    assert len(series) == 11  # u0..u9 and "other"
 
 
 @pytest.mark.parametrize("sig, times", [("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])

@@ -89,3 +89,32 @@ def test_side_by_side_command_line_on_a_small_shared_prefix_trace(tmp_path):
     rates = {k: [float(x.strip(" %")) for x in v.split("/")] for k, v in got.items()}
     assert all(r[1] > 0 for r in rates.values())  # both found the shared 1,024 tokens
     assert abs(rates["Batch"][1] - rates["vLLM (thr 64, prefix caching)"][1]) <= 1.0 + 1e-9, rates
+
+
+def test_batch_only_command_line_on_the_gpu_clock(tmp_path):
+    """``--gpu h100-llama3-8b``: the realistic cache fits every row (the 33k-token one too), and
+    Batch runs at both chunkings with the instrumented step counts."""
+    write_trace(tmp_path, ROWS)
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_prefix_compare.py"), "--batch-only", "--gpu",
+                        "h100-llama3-8b", "--only", "conversation", "--traces", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith(f"| `{vpc.TRACES[0]}` |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["thr 0 / chunk 8192", "thr 64 / chunk 64"]
+    assert all(r.split("|")[4].strip() == "Batch" for r in rows) and "4 rows run, 0 left out" in p.stdout
+    assert "28,094 blocks" in p.stdout
+
+
+def test_a_prefix_hit_shortens_the_first_token_on_the_gpu_clock(tmp_path):
+    reqs, _ = vpc.load_requests(write_trace(tmp_path, ROWS[:2]), limit=None)
+    h100 = vpc.vc.clock_for("h100-llama3-8b")
+    warm = {t.rid: t for t in vpc.run_batch(reqs, clock=h100).run.timings}
+    cold = {t.rid: t for t in vpc.run_batch(reqs, clock=h100, prefix_caching=False, name="cold").run.timings}
+    assert warm["t0"].first_s == pytest.approx(cold["t0"].first_s)
+    assert warm["t1"].first_s - warm["t1"].arrival_s < 0.5 * (cold["t1"].first_s - cold["t1"].arrival_s)
+
+
+def test_the_unbounded_hit_rate_counts_leading_blocks_seen_before(tmp_path):
+    reqs, _ = vpc.load_requests(write_trace(tmp_path, ROWS[:3]), limit=None)
+    # rows 2 and 3 share the first 1,024 tokens of row 1; nothing else repeats
+    assert vpc.unbounded_hit_rate(reqs) == pytest.approx(2 * (2 * B) / (3 * B + 3 * B + 2 * B + 5))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -208,7 +209,7 @@ class EngineReplica:
         self.metrics_period_s = metrics_period_s
         self.metrics: ServerMetrics | None = None
         if metrics_board is not None:
-            self.metrics = ServerMetrics(self.engine, known_users=tuple(weights or {}))
+            self.metrics = ServerMetrics(self.engine)
             self.engine.on_tick = self.metrics.observe_tick
         self.counters = counters
         self.period_s = period_s
@@ -700,10 +701,12 @@ class Ingress:
         kv_cap_blocks: the replicas' KV cache blocks (``None``: the stub's 256): a prompt of
             ``kv_cap_blocks * 16`` tokens or more is a 400 here, before it is sent to a replica.
         identities: who a request is (``None``: no keys, every request ``anonymous``).
-        metrics_need_key: ``/metrics`` needs a configured key too (needs keys in ``identities``).
+        metrics_need_key: ``/metrics`` needs a configured key too (``True`` needs keys in
+            ``identities``; ``None``, the default: whenever keys are configured).
         counters: the ``CountersActor``: ``/metrics`` then has its size and memory
             (``batch:counter_store_users``, ``batch:counter_store_forgotten_total``,
             ``batch:counter_store_resident_memory_bytes``).
+        auth_failure_delay_s: seconds before a 401 is answered (>= 0; the single server's tarpit).
 
     Raises:
         ValueError: ``metrics_period_s`` not > 0; ``max_body_bytes`` or ``kv_cap_blocks`` < 1;
@@ -713,7 +716,8 @@ class Ingress:
     def __init__(self, replicas: Any, model_name: str = "batch-sim", metrics_board: Any = None,
                  metrics_period_s: float = 1.0, max_body_bytes: int = 4 * 1024 * 1024,
                  kv_cap_blocks: int | None = None, identities: Identities | None = None,
-                 metrics_need_key: bool = False, counters: Any = None) -> None:
+                 metrics_need_key: bool | None = None, counters: Any = None,
+                 auth_failure_delay_s: float = 0.1) -> None:
         from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
 
         if not metrics_period_s > 0:
@@ -726,7 +730,10 @@ class Ingress:
         self.identities = identities or Identities()
         if metrics_need_key and not self.identities.required:
             raise ValueError("metrics_need_key needs API keys: there is no key to ask for")
-        self.metrics_need_key = metrics_need_key
+        self.metrics_need_key = self.identities.required if metrics_need_key is None else metrics_need_key
+        if not 0 <= auth_failure_delay_s < math.inf:
+            raise ValueError(f"auth_failure_delay_s must be a finite number >= 0, got {auth_failure_delay_s!r}")
+        self.auth_failure_delay_s = auth_failure_delay_s
         self.counters = counters
         self.max_body_bytes = max_body_bytes
         self.max_prompt_tokens = blocks * KV_BLOCK_TOKENS - 1  # one slot kept for the first output token
@@ -783,7 +790,17 @@ class Ingress:
         return self._open
 
     async def __call__(self, request: Any) -> Any:
-        """Route one HTTP request (Serve's ingress call)."""
+        """Route one HTTP request (Serve's ingress call); anything unexpected is a 500 in OpenAI's
+        shape (Serve's own answer to an exception is plain text)."""
+        try:
+            return await self._route(request)
+        except Exception as e:  # noqa: BLE001 - a bug: still OpenAI's shape, with its traceback logged
+            if isinstance(e, (ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
+                raise
+            log.exception("%s %s: unexpected error", request.method, request.url.path)
+            return self._reject(500, f"internal server error: {type(e).__name__}", type="server_error")
+
+    async def _route(self, request: Any) -> Any:
         from starlette.responses import JSONResponse, Response  # noqa: PLC0415
 
         path = request.url.path.rstrip("/")
@@ -796,6 +813,8 @@ class Ingress:
                 return Response(await self.metrics_text(), media_type=CONTENT_TYPE)
             principal = self.identities.authenticate(request.headers) if path.startswith("/v1") else None
         except AuthError as e:
+            if e.status == 401 and self.auth_failure_delay_s:  # a tarpit for made-up keys, as the single server's
+                await asyncio.sleep(self.auth_failure_delay_s)
             return self._reject_api(ApiError.of(e))
         if request.method != "POST" or path != "/v1/completions":
             return self._reject(404, f"no route {request.method} {request.url.path}")
@@ -1046,8 +1065,9 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
                eos_probability: float = EOS_PROBABILITY, period_s: float = 0.05, weights: dict[str, int] | None = None,
                kv_cap_blocks: int | None = None, num_cpus: int | None = None, metrics_period_s: float = 1.0,
                max_body_bytes: int = 4 * 1024 * 1024, api_keys: dict[str, str] | None = None,
-               trust_user_field: bool = False, user_header: str | None = None, metrics_need_key: bool = False,
-               shutdown_timeout_s: float = 10.0) -> None:
+               trust_user_field: bool = False, user_header: str | None = None,
+               metrics_need_key: bool | None = None, shutdown_timeout_s: float = 10.0,
+               timeout_keep_alive_s: float = 5.0, auth_failure_delay_s: float = 0.1) -> None:
     """``batch serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
     ``replicas`` engine replicas and the ``Ingress`` on ``http://host:port`` (``/v1/completions``,
     ``/health``, ``/metrics``); blocks until interrupted.
@@ -1067,8 +1087,12 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
         max_body_bytes: the ``Ingress``'s body limit (a larger body is a 413).
         api_keys, trust_user_field, user_header: who a request is (``batch.server.auth.Identities``,
             built here: only the keys' digests reach the ``Ingress``).
-        metrics_need_key: ``/metrics`` needs a configured key.
+        metrics_need_key: ``/metrics`` needs a configured key (``None``: whenever keys are configured).
         shutdown_timeout_s: at Ctrl-C, the longest wait for the open answers to end (> 0).
+        timeout_keep_alive_s: the proxy's idle keep-alive timeout (Serve's ``keep_alive_timeout_s``, whole
+            seconds, rounded up). Serve's proxy is its own uvicorn: the head timeout, connection cap and
+            head size cap of ``batch.server.limits`` do not apply to it (docs/server.md, "Connections").
+        auth_failure_delay_s: the ``Ingress``'s delay before a 401 (``ServerConfig.auth_failure_delay_s``).
 
     Raises:
         TypeError: ``replicas`` not an int.
@@ -1087,7 +1111,8 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     ingress = None
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port,
+                                  "keep_alive_timeout_s": max(1, math.ceil(timeout_keep_alive_s))})
         counters = _counters_actor()
         board = MetricsBoardActor.remote()
         app = engines.bind(counters, time_scale=time_scale, seed=seed, eos_probability=eos_probability,
@@ -1096,7 +1121,7 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
         ingress = serve.run(Ingress.bind(app, metrics_board=board, metrics_period_s=metrics_period_s,
                                          max_body_bytes=max_body_bytes, kv_cap_blocks=kv_cap_blocks,
                                          identities=identities, metrics_need_key=metrics_need_key,
-                                         counters=counters),
+                                         counters=counters, auth_failure_delay_s=auth_failure_delay_s),
                             name="batch", route_prefix="/")
         _interrupt_on(signal.SIGINT, signal.SIGTERM)
         while True:

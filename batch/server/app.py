@@ -20,11 +20,15 @@ Authentication and the fairness identity (the scheduler's ``user_id``) follow
 listed key (``Authorization: Bearer KEY``; else 401 ``invalid_api_key``, checked before the body
 is read) and the identity is the key's user; without keys, the body's ``user`` only with
 ``trust_user_field``, a trusted gateway's header with ``user_header``, else ``"anonymous"`` for
-every request. ``/health`` is always open; ``/metrics`` needs a key when ``metrics_need_key``.
+every request. ``/health`` is always open; ``/metrics`` needs a key when ``metrics_need_key`` (by
+default whenever keys are configured), and ``/docs``, ``/redoc`` and ``/openapi.json`` are off then.
+Connection limits (head timeout, connection cap, head size) are ``batch.server.limits``'s, through
+``app.state.guard``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 401 without a
-valid key (code ``invalid_api_key``), 400 for a
-body that is not JSON or fails validation (strict types; ``param`` names the field), 400 for
+valid key (code ``invalid_api_key``), 415 for a body whose ``content-type`` is not JSON, 400 for a
+body that is not JSON whatever its bytes (``parse_json``: huge integers, deep nesting, invalid
+UTF-8 included) or fails validation (strict types, finite floats; ``param`` names the field), 400 for
 text that is not valid Unicode (a lone surrogate), 400 for an option not implemented (``n``,
 ``best_of``, ``echo``, ``logprobs``, ``suffix``, ``stop``), 400 for a prompt that can never fit
 (the message names the limit), 413 for a body over ``max_body_bytes``, 404 for an unknown
@@ -40,10 +44,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -52,18 +58,22 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from batch.server.auth import AuthError, Identities
+from batch.server.auth import AuthError, Identities, KeyRing
 from batch.server.engine import Engine, EngineFailed, SeededGPU, ServedRequest, TokenEvent, TokenSink
+from batch.server.limits import ConnectionGuard, HttpLimits
 from batch.server.metrics import CONTENT_TYPE, ServerMetrics
 from batch.server.sse import DONE, ChunkFormat, error_event
 from batch.server.tokenizer import IncrementalDecoder, Tokenizer
 from scheduler import RequestError
 
-__all__ = ["ServerConfig", "ApiError", "ClientClosed", "CompletionBody", "create_app", "read_json_body",
+__all__ = ["ServerConfig", "ApiError", "ClientClosed", "CompletionBody", "create_app", "parse_json", "read_json_body",
            "validation_error"]
 
 #: ``max_tokens`` when the body gives none (OpenAI's default for completions).
 DEFAULT_MAX_TOKENS = 16
+#: Largest token id a prompt may hold when the backend has no vocabulary to bound it (the
+#: simulated GPU): a signed 32-bit int, as a real vocabulary's ids are.
+MAX_TOKEN_ID = 2**31 - 1
 
 log = logging.getLogger("batch.server")
 
@@ -85,24 +95,36 @@ class ServerConfig:
             (for a trusted front end that sets it); refused with ``api_keys``.
         user_header: without ``api_keys``, the fairness identity is this request header's value,
             set by a trusted gateway (``None``: off); refused with ``api_keys``.
-        metrics_need_key: ``/metrics`` needs a configured key too (needs ``api_keys``).
-        known_users: users labelled by name in per-user metrics (the config's weighted users;
-            the users of ``api_keys`` are added).
-        max_user_labels: how many other users get their own per-user metric label; later ones
-            are counted under ``user="other"``.
+        metrics_need_key: ``/metrics`` needs a configured key too; ``None`` (the default): when
+            ``api_keys`` are configured; ``True`` needs ``api_keys``; ``False``: open.
+        max_user_labels: how many users (configured or not) get their own per-user metric label;
+            later ones are counted under ``user="other"``.
+        limits: connection limits and timeouts (``batch.server.limits``), enforced when the app
+            is served with ``app.state.guard.uvicorn_config(app, ...)`` (``batch serve`` does).
+        disable_fastapi_docs: no ``/docs``, ``/redoc`` nor ``/openapi.json`` (vLLM's flag);
+            they are off anyway when ``api_keys`` are configured.
+        auth_failure_delay_s: a 401 is answered after this many seconds (>= 0): a client
+            flooding made-up keys on one connection gets at most ``1 / auth_failure_delay_s``
+            answers a second, each costing the server the same as before, for nothing.
+        metrics_min_interval_s: ``/metrics`` renders at least this far apart (>= 0): each scrape
+            gets a render begun after it arrived (never a stale one), concurrent scrapes share
+            one, so scrapers in a loop cost at most one render per interval.
     """
 
     model_name: str = "batch-sim"
     max_waiting: int = 2048
     retry_after_s: int = 1
-    api_keys: dict[str, str] = field(default_factory=dict)
+    api_keys: Mapping[str, str] | KeyRing = field(default_factory=dict)
     seed_by_prompt: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     trust_user_field: bool = False
     user_header: str | None = None
-    metrics_need_key: bool = False
-    known_users: tuple[str, ...] = ()
+    metrics_need_key: bool | None = None
     max_user_labels: int = 100
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    disable_fastapi_docs: bool = False
+    auth_failure_delay_s: float = 0.1
+    metrics_min_interval_s: float = 0.1
 
 
 class ApiError(Exception):
@@ -149,7 +171,7 @@ class _Body(BaseModel):
     """The fields both endpoints read; strict types (no coercion: ``"5"``, ``true`` or ``2.0``
     is not an int, ``"yes"`` or ``1`` not a bool); ``null`` is the default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     stream: StrictBool | None = None
@@ -260,11 +282,20 @@ def _check_text(text: str, param: str) -> str:
 
 
 def _text_of(m: ChatMessage) -> str:
+    """The text of a message; a text part whose ``text`` is not a string is a 400 (``str()`` of
+    an arbitrarily nested value could not be bounded)."""
     if m.content is None:
         return ""
     if isinstance(m.content, str):
         return m.content
-    return "".join(str(p.get("text", "")) for p in m.content if p.get("type") == "text")
+    parts = []
+    for p in m.content:
+        if p.get("type") == "text":
+            text = p.get("text", "")
+            if not isinstance(text, str):
+                raise ApiError(400, "messages: a text part's \"text\" must be a string", param="messages")
+            parts.append(text)
+    return "".join(parts)
 
 
 # ---------------------------------------------------------------- the app
@@ -278,11 +309,19 @@ class _Server:
             raise ValueError(f"max_waiting must be >= 1, got {cfg.max_waiting}")
         if cfg.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {cfg.max_body_bytes}")
+        for name in ("auth_failure_delay_s", "metrics_min_interval_s"):
+            if not 0 <= getattr(cfg, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(cfg, name)!r}")
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.identities = Identities(cfg.api_keys, trust_user_field=cfg.trust_user_field, user_header=cfg.user_header)
         if cfg.metrics_need_key and not self.identities.required:
             raise ValueError("metrics_need_key needs api_keys: there is no key to ask for")
-        self.metrics = ServerMetrics(engine, (*cfg.known_users, *cfg.api_keys.values()), cfg.max_user_labels)
+        self.metrics_need_key = self.identities.required if cfg.metrics_need_key is None else cfg.metrics_need_key
+        self.metrics = ServerMetrics(engine, cfg.max_user_labels)
+        rejected = self.metrics.rejected
+        self.guard = ConnectionGuard(cfg.limits, on_reject=lambda status: rejected.labels(str(status)).inc())
+        self.metrics.registry.register(self.guard)
+        self.metrics_text = SpacedRenders(self.metrics.render, cfg.metrics_min_interval_s)
         self.waiting = 0  # accepted, no first token or end yet (event loop only)
         self.created = int(time.time())
         self.max_prompt_tokens = engine.scheduler.config.max_model_len_tokens - 1
@@ -362,10 +401,11 @@ class _Server:
         if len(prompt) > self.max_prompt_tokens:
             raise self.too_long(len(prompt))
         vocab = self.engine.scheduler.vocab_size
+        top = MAX_TOKEN_ID if vocab is None else vocab - 1
         for t in prompt:
-            if t < 0 or (vocab is not None and t >= vocab):
-                raise ApiError(400, f"prompt: token id {t} outside 0..{'' if vocab is None else vocab - 1}",
-                               param="prompt")
+            if not 0 <= t <= top:
+                shown = str(t) if -10**20 < t < 10**20 else f"{str(t)[:12]}... ({len(str(abs(t)))} digits)"
+                raise ApiError(400, f"prompt: token id {shown} outside 0..{top}", param="prompt")
         return list(prompt)
 
     def admit(self, ids: list[int], max_tokens: int, user: str, prefix: str, stream: bool) -> TokenSink:
@@ -398,6 +438,48 @@ class _Server:
             self.engine.abort(sink)
 
 
+class SpacedRenders:
+    """Renders of a text (``/metrics``) at least ``min_interval_s`` apart, each in a worker thread
+    (off the event loop), shared by the callers that wait for the same render.
+
+    ``get`` returns a render begun after the call (never an older one): a call joins the render
+    waiting for its turn if there is one, else starts one, which waits until ``min_interval_s``
+    after the previous render's end. So any number of callers in a loop cost at most one render
+    per ``min_interval_s`` (plus their HTTP requests), and a lone caller waits at most that long.
+
+    Args:
+        render: the render (thread-safe; called in the loop's default executor).
+        min_interval_s: seconds between a render's end and the next one's start (>= 0).
+    """
+
+    def __init__(self, render: Any, min_interval_s: float) -> None:
+        self.render, self.min_interval_s = render, min_interval_s
+        self._next: asyncio.Future | None = None  # the render not yet begun, which new callers join
+        self._last: asyncio.Future | None = None  # the latest render task (begun or not)
+        self._free_at = 0.0  # loop time the next render may begin
+        self.renders = 0
+
+    async def get(self) -> Any:
+        """A render begun after this call."""
+        if self._next is None:
+            self._next = self._last = asyncio.ensure_future(self._run(self._last))
+        return await asyncio.shield(self._next)
+
+    async def _run(self, previous: asyncio.Future | None) -> Any:
+        loop = asyncio.get_running_loop()
+        if previous is not None:
+            await asyncio.wait((previous,))  # one render at a time
+        wait = self._free_at - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._next = None  # from here on, a new caller waits for the next render: this one began before it
+        try:
+            return await loop.run_in_executor(None, self.render)
+        finally:
+            self.renders += 1
+            self._free_at = loop.time() + self.min_interval_s
+
+
 async def _wait_disconnect(request: Request) -> None:
     """Return when the client disconnects (or the response is complete: uvicorn says so too)."""
     while True:
@@ -414,15 +496,48 @@ class ClientClosed(ApiError):
         super().__init__(499, message, code=499)
 
 
-async def read_json_body(request: Request, max_bytes: int) -> Any:
-    """The body parsed as JSON; 413 past ``max_bytes`` (by ``Content-Length`` before reading,
-    or by the bytes read), 400 if it is not JSON (also when nested too deeply to parse), 499
-    when the client closes the connection before the body's end (logged as one line).
+def _json_media_type(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type (parameters such as ``charset`` allowed)."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` parsed as JSON, or a 400 whatever it holds: not JSON, not UTF-8 (nor UTF-16/32),
+    an integer over Python's 4,300-digit conversion limit (a ``ValueError`` inside the parser),
+    nesting too deep for the parser (``RecursionError``). ``NaN`` and ``Infinity`` parse (Python's
+    reading); the body models refuse them in any field they read (``allow_inf_nan=False``).
 
     Raises:
-        ApiError: 413 or 400, as above; ``ClientClosed`` (499) (the replicas' ``Ingress``
+        ApiError: 400 ``invalid_request_error``.
+    """
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON here: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int-str digit limit
+        msg = str(e)
+        if "integer string conversion" in msg:
+            msg = f"an integer over {sys.get_int_max_str_digits()} digits"
+        elif len(msg) > 200:
+            msg = msg[:200] + "..."
+        raise ApiError(400, f"the body is not valid JSON: {msg}") from None
+
+
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The body parsed as JSON (``parse_json``); 415 unless ``content-type`` is JSON (so a web
+    page cannot post ``text/plain`` to the server without a CORS preflight), 413 past
+    ``max_bytes`` (by ``Content-Length`` before reading, or by the bytes read), 400 if it is not
+    JSON, 499 when the client closes the connection before the body's end (logged as one line).
+
+    Raises:
+        ApiError: 415, 413 or 400, as above; ``ClientClosed`` (499) (the replicas' ``Ingress``
             answers with them too).
     """
+    content_type = request.headers.get("content-type", "")
+    if not _json_media_type(content_type):
+        shown = content_type[:80] if content_type.isprintable() else repr(content_type[:80])
+        raise ApiError(415, f"content-type must be application/json, got {shown or 'none'}")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the body is {int(declared)} bytes; this server's limit is {max_bytes} bytes")
@@ -438,13 +553,7 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
         msg = f"client closed the connection while sending the body ({size}{of} bytes read)"
         log.warning("%s %s: %s: answered 499", request.method, request.url.path, msg)
         raise ClientClosed(msg) from None
-    raw = b"".join(parts)
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "the body is not valid JSON here: nested too deeply") from None
+    return parse_json(b"".join(parts))
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = None) -> FastAPI:
@@ -470,8 +579,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
         finally:
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
-    app = FastAPI(title="Batch", lifespan=lifespan)
+    docs = not (cfg.disable_fastapi_docs or srv.identities.required)  # no API description for anonymous readers
+    app = FastAPI(title="Batch", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = srv
+    app.state.guard = srv.guard
 
     # Every error answer goes through one of these handlers, which count it in
     # batch:request_rejected_total{code} (the one place where requests refused are counted).
@@ -480,6 +592,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         rejected.labels(str(e.status)).inc()
+        if e.status == 401 and cfg.auth_failure_delay_s:  # a tarpit for made-up keys (ServerConfig)
+            await asyncio.sleep(cfg.auth_failure_delay_s)
         return e.response()
 
     @app.exception_handler(Exception)
@@ -512,14 +626,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig | None = 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Every metric in Prometheus' text format (``batch.server.metrics``); a 401 without a
-        configured key when ``metrics_need_key``."""
-        if cfg.metrics_need_key:
+        configured key when ``metrics_need_key`` (by default when keys are configured)."""
+        if srv.metrics_need_key:
             try:
                 srv.identities.check_key(request.headers)
             except AuthError as e:
                 raise ApiError.of(e) from None
-        text = await asyncio.get_running_loop().run_in_executor(None, srv.metrics.render)  # off the loop
-        return Response(text, media_type=CONTENT_TYPE)
+        return Response(await srv.metrics_text.get(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -6,6 +6,9 @@
     batch bench-serve --ab-burst --ab-seeds 4,5,6                         # the A/B fairness burst over HTTP
     batch bench-serve --num-prompts 10000 --disconnect-prob 0.3 --check-drained
     batch bench-serve --sybil one-key,made-up-keys --honest-key sk-alice --attacker-key sk-mallory
+    batch bench-serve --sybil one-key --attacker-first --honest-key sk-alice --attacker-key sk-mallory
+    batch bench-serve --stall 100 --honest-key sk-alice --attacker-key sk-mallory
+    batch bench-serve --attack idle-sockets,slow-headers,scrape,401-flood --honest-key sk-alice
 
 Every request streams (``/v1/completions``, ``stream: true``) over ``httpx`` (async). Client
 times, per request: TTFT (send to the first chunk), ITL (between chunks), TPOT ((e2el - TTFT)
@@ -37,24 +40,46 @@ and a random ``user`` per request). It prints the attacker's share of the tokens
 Start the server with ``--eos-probability 0`` so that streams do not end early. Per-user state
 carries over from one attack to the next (a fresh server per attack measures each alone); the
 honest party starts first, so an attacker's own history can only lower its share.
+``--attacker-first`` turns the order round (issue 38: the first party must not keep what it holds): the attacker's
+streams open first and the honest party's ``--attacker-lead-s`` (2) later. Either way it also
+prints the honest party's share in every ``--share-window-s`` (15) window from
+``--share-window-skip-s`` (5) after the second party's start (min / mean / max and the list),
+beside the fair share at ``--sybil-weights H:A`` (the weights the server's ``--config`` gives the
+two users; the client only prints against them)::
+
+    batch serve --config keys.toml --eos-probability 0     # keys sk-honest -> honest, sk-attacker -> attacker
+    batch bench-serve --sybil one-key --attacker-first --attacker-lead-s 2 --sybil-duration-s 60 \
+        --honest-key sk-honest --attacker-key sk-attacker
+
+``--stall N`` is the stall probe: a 2-token request's TTFT (``--honest-key``) on the idle server,
+then again after one key (``--attacker-key``) has run N streams of ``--stall-max-tokens`` (3000)
+for ``--stall-warmup-s`` (30) seconds, and the ratio (issue 38 wants at most 3x); start the
+server with ``--eos-probability 0``.
+
+``--attack idle-sockets,slow-headers,scrape,401-flood`` measures what connection and request
+floods cost honest clients: per attack, the honest completions per second alone and attacked, and
+``/health`` and a keyed request's latency meanwhile (``batch.server.bench_attacks``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import itertools
 import json
 import math
 import random
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import httpx
 
-__all__ = ["Job", "Result", "run_jobs", "summarize", "ab_burst_ratio", "sybil_phase", "SYBIL_ATTACKS", "main"]
+__all__ = ["Job", "Result", "run_jobs", "summarize", "ab_burst_ratio", "sybil_phase", "window_shares", "share_spread",
+           "stall_probe", "SYBIL_ATTACKS", "main"]
 
 
 @dataclass
@@ -252,9 +277,16 @@ def summarize(results: Sequence[Result], duration_s: float, *, slo_ttft_ms: floa
 # ---------------------------------------------------------------- the server's side
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    """The server's ``/metrics`` as ``{series: value}`` (labels kept in the key)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The server's ``/metrics`` as ``{series: value}`` (labels kept in the key); ``headers``
+    carry a key where ``/metrics`` needs one.
+
+    Raises:
+        httpx.HTTPStatusError: ``/metrics`` did not answer 200 (a 401 without a key).
+    """
+    r = httpx.get(f"{base_url}/metrics", timeout=30, headers=headers)
+    r.raise_for_status()
+    text = r.text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -432,17 +464,21 @@ class SybilSide:
         tokens: token chunks received within the window.
         statuses: HTTP status -> requests answered with it (sent within the window or before).
         requests: requests sent.
+        times: the arrival time (``time.perf_counter``) of every token chunk received, in the
+            window or not (the share per window is computed from them).
     """
 
     tokens: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
     requests: int = 0
+    times: list[float] = field(default_factory=list)
 
 
 async def _flood(client: httpx.AsyncClient, base_url: str, side: SybilSide, headers_of: Any, body_of: Any,
                  window: list[float], stop: asyncio.Event, first_token: asyncio.Event | None = None) -> None:
     """One of a party's concurrent workers: send a stream, read it to its end, send the next, until
-    ``stop``; count the token chunks that arrive within ``window`` = [start, end] (perf_counter s)."""
+    ``stop``; count the token chunks that arrive within ``window`` = [start, end] (perf_counter s)
+    and keep every chunk's arrival time."""
     while not stop.is_set():
         side.requests += 1
         try:
@@ -461,26 +497,70 @@ async def _flood(client: httpx.AsyncClient, base_url: str, side: SybilSide, head
                     if first_token is not None:
                         first_token.set()
                     now = time.perf_counter()
+                    side.times.append(now)
                     if window[0] <= now <= window[1]:
                         side.tokens += 1
         except (httpx.HTTPError, OSError):
             side.statuses[0] = side.statuses.get(0, 0) + 1
 
 
-async def sybil_phase(base_url: str, attack: str, *, honest_key: str | None, attacker_key: str | None,
-                      concurrency: int = 64, duration_s: float = 15.0, max_tokens: int = 100_000,
-                      prompt_words: int = 8, lead_s: float = 1.0, seed: int = 0) -> dict[str, Any]:
-    """One Sybil phase: the honest party keeps ``concurrency`` long streams open (its key, or its
-    ``user`` ``honest`` without a key); after ``lead_s`` (its requests admitted and streaming, so the
-    attacker returns against a backlogged user, as a flood does), the attacker keeps
-    ``concurrency`` streams open too, claiming identities as ``attack`` says (``SYBIL_ATTACKS``).
-    Tokens are counted for ``duration_s`` from the attacker's start, each party's streams
-    reopened as they end; then every stream is closed (the server aborts them).
+def window_shares(honest: Sequence[float], attacker: Sequence[float], start: float, end: float, *,
+                  window_s: float, step_s: float | None = None) -> list[dict[str, Any]]:
+    """The honest party's share of the token chunks in each window ``[t, t + window_s)`` for
+    ``t = start, start + step_s, ...`` while ``t + window_s <= end`` (``step_s`` defaults to
+    ``window_s``: back-to-back windows).
+
+    Args:
+        honest, attacker: each party's chunk arrival times (any clock, the same for all four).
 
     Returns:
-        ``{"attack", "honest_tokens", "attacker_tokens", "attacker_share", "honest_statuses",
-        "attacker_statuses", "attacker_requests", "duration_s", "concurrency"}``;
-        ``attacker_share`` is ``None`` when neither party got a token.
+        one ``{"from_s", "to_s", "honest_tokens", "attacker_tokens", "honest_share"}`` per window,
+        ``from_s``/``to_s`` relative to ``start``; ``honest_share`` is ``None`` for a window without
+        a token.
+
+    Raises:
+        ValueError: ``window_s`` or ``step_s`` not > 0.
+    """
+    step_s = window_s if step_s is None else step_s
+    if not window_s > 0 or not step_s > 0:
+        raise ValueError(f"window_s and step_s must be > 0, got {window_s}, {step_s}")
+    hs, at = sorted(honest), sorted(attacker)
+    out = []
+    k = 0
+    while start + k * step_s + window_s <= end + 1e-9:
+        lo = start + k * step_s
+        hi = lo + window_s
+        h = bisect.bisect_left(hs, hi) - bisect.bisect_left(hs, lo)
+        a = bisect.bisect_left(at, hi) - bisect.bisect_left(at, lo)
+        out.append({"from_s": lo - start, "to_s": hi - start, "honest_tokens": h, "attacker_tokens": a,
+                    "honest_share": h / (h + a) if h + a else None})
+        k += 1
+    return out
+
+
+async def sybil_phase(base_url: str, attack: str, *, honest_key: str | None, attacker_key: str | None,
+                      concurrency: int = 64, duration_s: float = 15.0, max_tokens: int = 100_000,
+                      prompt_words: int = 8, lead_s: float = 1.0, seed: int = 0, attacker_first: bool = False,
+                      window_s: float = 15.0, window_skip_s: float = 5.0,
+                      window_step_s: float | None = None) -> dict[str, Any]:
+    """One Sybil phase: the first party keeps ``concurrency`` long streams open; after ``lead_s``
+    (its requests admitted and streaming, so the second party arrives against a backlogged user,
+    as a flood does), the second party keeps ``concurrency`` streams open too. The honest party
+    (its key, or its ``user`` ``honest`` without a key) comes first, or second with
+    ``attacker_first``; the attacker claims identities as ``attack`` says (``SYBIL_ATTACKS``).
+    Tokens are counted for ``duration_s`` from the second party's start, each party's streams
+    reopened as they end; then every stream is closed (the server aborts them).
+
+    Beside the whole-run shares, the honest party's share in each ``window_s`` window from
+    ``window_skip_s`` after the second party's start (``window_shares``, every ``window_step_s``;
+    back to back by default) up to the end of the ``duration_s``.
+
+    Returns:
+        ``{"attack", "order", "lead_s", "honest_tokens", "attacker_tokens", "attacker_share",
+        "honest_share", "windows", "window_s", "window_skip_s", "window_step_s", "honest_statuses",
+        "attacker_statuses", "attacker_requests", "duration_s", "concurrency"}``; ``order`` is
+        ``"honest-first"`` or ``"attacker-first"``; the shares are ``None`` when neither party got a
+        token.
 
     Raises:
         ValueError: an unknown ``attack``, or one that needs ``attacker_key`` without it.
@@ -509,29 +589,205 @@ async def sybil_phase(base_url: str, attack: str, *, honest_key: str | None, att
     attacker_body = {"one-key": lambda: body("attacker"), "key-random-user": lambda: body(f"u-{fresh()}"),
                      "made-up-keys": lambda: body(f"u-{fresh()}"), "random-user": lambda: body(f"u-{fresh()}")}[attack]
     honest, attacker = SybilSide(), SybilSide()
+    first, second = ((attacker, attacker_headers, attacker_body), (honest, honest_headers, honest_body))
+    if not attacker_first:
+        first, second = second, first
     window = [math.inf, math.inf]
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
         started = asyncio.Event()
-        tasks = [asyncio.ensure_future(_flood(client, base_url, honest, honest_headers, honest_body, window, stop,
-                                              started)) for _ in range(concurrency)]
+        tasks = [asyncio.ensure_future(_flood(client, base_url, *first, window, stop, started))
+                 for _ in range(concurrency)]
         await asyncio.wait_for(started.wait(), 60 + lead_s)
         await asyncio.sleep(lead_s)
         window[0] = time.perf_counter()
         window[1] = window[0] + duration_s
-        tasks += [asyncio.ensure_future(_flood(client, base_url, attacker, attacker_headers, attacker_body, window,
-                                               stop)) for _ in range(concurrency)]
+        tasks += [asyncio.ensure_future(_flood(client, base_url, *second, window, stop))
+                  for _ in range(concurrency)]
         await asyncio.sleep(duration_s)
         stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     total = honest.tokens + attacker.tokens
-    return {"attack": attack, "honest_tokens": honest.tokens, "attacker_tokens": attacker.tokens,
+    windows = window_shares(honest.times, attacker.times, window[0] + window_skip_s, window[1], window_s=window_s,
+                            step_s=window_step_s)
+    return {"attack": attack, "order": "attacker-first" if attacker_first else "honest-first", "lead_s": lead_s,
+            "honest_tokens": honest.tokens, "attacker_tokens": attacker.tokens,
             "attacker_share": attacker.tokens / total if total else None,
+            "honest_share": honest.tokens / total if total else None,
+            "windows": windows, "window_s": window_s, "window_skip_s": window_skip_s,
+            "window_step_s": window_s if window_step_s is None else window_step_s,
             "honest_statuses": honest.statuses, "attacker_statuses": attacker.statuses,
             "attacker_requests": attacker.requests, "duration_s": duration_s, "concurrency": concurrency}
+
+
+def share_spread(row: dict[str, Any]) -> dict[str, Any]:
+    """The honest party's share over a phase's windows (``sybil_phase``'s ``windows``):
+    ``{"min", "mean", "max", "shares"}``, windows without a token left out (``None`` figures when
+    no window had one)."""
+    xs = [w["honest_share"] for w in row["windows"] if w["honest_share"] is not None]
+    return {"min": min(xs) if xs else None, "mean": statistics.fmean(xs) if xs else None,
+            "max": max(xs) if xs else None, "shares": xs}
+
+
+# ---------------------------------------------------------------- the stall probe
+
+
+async def _probe(client: httpx.AsyncClient, base_url: str, key: str | None, prompt: str, max_tokens: int,
+                 user: str = "prober") -> float:
+    """One streamed request; seconds from its send to its first token chunk.
+
+    Raises:
+        RuntimeError: not a 200, or no token chunk.
+    """
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "user": user}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    sent = time.perf_counter()
+    first = None
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise RuntimeError(f"the probe got {r.status_code}: {r.text[:200]}")
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"choices":[]' not in line \
+                    and '"error"' not in line[:16]:
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError("the probe got no token")
+    return first - sent
+
+
+_USER_LABEL = re.compile(r'[{,]user="([^"]*)"')
+
+
+def user_sums(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """Per ``user`` label, the sum of the series ``name`` in a scrape (``scrape``'s dict) over its
+    other labels (a ``replica`` label on the replicas' ``Ingress``)."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if k.startswith(name + "{"):
+            m = _USER_LABEL.search(k)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + v
+    return out
+
+
+def _server_ttft(before: dict[str, float], after: dict[str, float], user: str | None = None
+                 ) -> tuple[str | None, float | None]:
+    """The server's mean TTFT (s) between two scrapes for ``user``, or (``None``) for the user whose
+    TTFT count grew most; ``(user, mean)``, ``(None, None)`` when no user's count grew."""
+    name = "batch:user_time_to_first_token_seconds"
+    n0, n1 = user_sums(before, name + "_count"), user_sums(after, name + "_count")
+    s0, s1 = user_sums(before, name + "_sum"), user_sums(after, name + "_sum")
+    grown = {u: n1[u] - n0.get(u, 0.0) for u in n1 if n1[u] > n0.get(u, 0.0)}
+    if user is None:
+        if not grown:
+            return None, None
+        user = max(grown, key=grown.get)
+    if not grown.get(user):
+        return user, None
+    return user, (s1[user] - s0.get(user, 0.0)) / grown[user]
+
+
+def _scrape_or_empty(base_url: str, key: str | None) -> dict[str, float]:
+    try:
+        return scrape(base_url, headers={"Authorization": f"Bearer {key}"} if key else None)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _health(base_url: str) -> dict[str, Any]:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+async def stall_probe(base_url: str, *, streams: int = 100, stream_key: str | None, probe_key: str | None,
+                      stream_max_tokens: int = 3000, warmup_s: float = 30.0, probes: int = 5,
+                      probe_gap_s: float = 1.0, probe_max_tokens: int = 2, prompt_words: int = 8) -> dict[str, Any]:
+    """The stall probe: a 2-token request's TTFT while one key runs ``streams`` long streams,
+    against the same request's TTFT on the idle server.
+
+    First ``probes`` probes (after one discarded warm-up probe) on the server as it is (idle: the
+    caller drains it); then the stream key (``stream_key``; its ``user`` ``streamer`` without a key)
+    keeps ``streams`` streams of ``stream_max_tokens`` open, each reopened when it ends (start the
+    server with ``--eos-probability 0`` so that none stops early); after ``warmup_s`` the probe key
+    (``probe_key``; ``user`` ``prober``) sends ``probes`` probes one after the other,
+    ``probe_gap_s`` apart, each the same request as the idle ones (prompt, ``probe_max_tokens``).
+    ``/health`` is read before each loaded probe (``running``, ``waiting``, ``kv_blocks_used``: the
+    single server's; ``None`` where ``/health`` has no such field, as the replicas' ``Ingress``).
+
+    Returns:
+        ``{"idle_ttft_s": [...], "loaded_ttft_s": [...], "idle_median_s", "loaded_median_s",
+        "loaded_max_s", "ratio_median", "ratio_max", "health": [...], "stream_tokens",
+        "stream_tok_s", "streams", "stream_max_tokens", "warmup_s", "probe_max_tokens", "stream_statuses",
+        "server_idle_mean_s", "server_loaded_mean_s", "server_ratio"}``;
+        ``ratio_median`` = loaded median / idle median, ``ratio_max`` = loaded max / idle median;
+        the ``server_`` figures: the probes' mean TTFT on the server's clock (handler submit to
+        first token, ``batch:user_time_to_first_token_seconds`` of the probe key's user, read from
+        ``/metrics`` with the probe key around each phase), ``None`` where ``/metrics`` did not
+        answer;
+        ``stream_tok_s``: the streams' token chunks per second over the warm-up's last half.
+
+    Raises:
+        RuntimeError: a probe was refused or got no token.
+    """
+    words = " ".join(f"w{i}" for i in range(prompt_words - 1))
+    prompt = f"probe {words}"
+    n = itertools.count()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=2 * streams + 8)
+    # The replicas' Ingress renders metrics each replica pushed (every second): wait for the last push.
+    settle_s = 0.0 if "in_flight" in _health(base_url) else 2.5
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
+        await _probe(client, base_url, probe_key, prompt, probe_max_tokens)  # warm-up: connections, code paths
+        await asyncio.sleep(settle_s)
+        m0 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
+        idle = []
+        for _ in range(probes):
+            idle.append(await _probe(client, base_url, probe_key, prompt, probe_max_tokens))
+            await asyncio.sleep(probe_gap_s)
+        await asyncio.sleep(settle_s)
+        m1 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
+        probe_user, server_idle = _server_ttft(m0, m1)
+        side, stop = SybilSide(), asyncio.Event()
+        window = [-math.inf, math.inf]
+        headers = (lambda: {"Authorization": f"Bearer {stream_key}"}) if stream_key else (lambda: {})
+        body = lambda: {"prompt": f"s{next(n)} {words}", "max_tokens": stream_max_tokens,  # noqa: E731
+                        "stream": True, "user": "streamer"}
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(_flood(client, base_url, side, headers, body, window, stop))
+                 for _ in range(streams)]
+        await asyncio.sleep(warmup_s)
+        t1 = time.perf_counter()
+        loaded, health = [], []
+        try:
+            m2 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
+            for _ in range(probes):
+                h = await asyncio.to_thread(_health, base_url)
+                health.append({k: h.get(k) for k in ("running", "waiting", "kv_blocks_used", "ticks")})
+                loaded.append(await _probe(client, base_url, probe_key, prompt, probe_max_tokens))
+                await asyncio.sleep(probe_gap_s)
+            await asyncio.sleep(settle_s)
+            m3 = await asyncio.to_thread(_scrape_or_empty, base_url, probe_key)
+            _, server_loaded = _server_ttft(m2, m3, probe_user) if probe_user else (None, None)
+        finally:
+            stop.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    half = t0 + warmup_s / 2
+    recent = sum(1 for x in side.times if half <= x < t1)
+    idle_med, loaded_med = statistics.median(idle), statistics.median(loaded)
+    return {"idle_ttft_s": idle, "loaded_ttft_s": loaded, "idle_median_s": idle_med, "loaded_median_s": loaded_med,
+            "loaded_max_s": max(loaded), "ratio_median": loaded_med / idle_med, "ratio_max": max(loaded) / idle_med,
+            "health": health, "stream_tokens": len(side.times), "stream_tok_s": recent / (t1 - half),
+            "streams": streams, "stream_max_tokens": stream_max_tokens, "warmup_s": warmup_s,
+            "probe_max_tokens": probe_max_tokens, "stream_statuses": side.statuses,
+            "server_idle_mean_s": server_idle, "server_loaded_mean_s": server_loaded,
+            "server_ratio": server_loaded / server_idle if server_idle and server_loaded is not None else None}
 
 
 def _wait_idle(base_url: str, timeout_s: float = 60.0) -> None:
@@ -562,38 +818,141 @@ def _fmt(name: str, s: dict[str, float]) -> str:
     return f"{name:<6} mean / p50 / p90 / p99 ms  {s['mean']:8.2f} {s['p50']:8.2f} {s['p90']:8.2f} {s['p99']:8.2f}"
 
 
+def _weights(text: str) -> tuple[int, int]:
+    h, sep, a = text.partition(":")
+    hw, aw = int(h), int(a)
+    if not sep or hw < 1 or aw < 1:
+        raise ValueError(text)
+    return hw, aw
+
+
+_weights.__name__ = "H:A (ints >= 1)"
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def _sybil_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -> int:
-    """``--sybil``: each attack in turn, the server drained between them; prints one line each
-    (or JSON); 1 if an attacker's share is over ``--sybil-max-share``."""
+    """``--sybil``: each attack in turn, the server drained between them; prints each attack's
+    lines (or JSON); 1 if an attacker's share is over ``--sybil-max-share`` or an honest window's
+    share under ``--sybil-min-honest-share``."""
     attacks = a.sybil.split(",")
     bad = [x for x in attacks if x not in SYBIL_ATTACKS]
     if bad:
         p.error(f"--sybil: unknown attack(s) {', '.join(bad)}; choose among {', '.join(SYBIL_ATTACKS)}")
     if a.sybil_concurrency < 1 or not a.sybil_duration_s > 0 or a.sybil_lead_s < 0 or a.sybil_max_tokens < 1:
         p.error("--sybil-concurrency and --sybil-max-tokens must be >= 1, --sybil-duration-s > 0, --sybil-lead-s >= 0")
+    if a.attacker_lead_s is not None and not a.attacker_first:
+        p.error("--attacker-lead-s needs --attacker-first")
+    lead = (2.0 if a.attacker_lead_s is None else a.attacker_lead_s) if a.attacker_first else a.sybil_lead_s
+    if lead < 0 or not a.share_window_s > 0 or a.share_window_skip_s < 0 or (
+            a.share_window_step_s is not None and not a.share_window_step_s > 0):
+        p.error("--attacker-lead-s and --share-window-skip-s must be >= 0, --share-window-s and "
+                "--share-window-step-s > 0")
+    hw, aw = a.sybil_weights
+    fair = hw / (hw + aw)
     rows = []
     for i, attack in enumerate(attacks):
         _wait_idle(base)
         try:
             rows.append(asyncio.run(sybil_phase(base, attack, honest_key=a.honest_key, attacker_key=a.attacker_key,
                                                 concurrency=a.sybil_concurrency, duration_s=a.sybil_duration_s,
-                                                max_tokens=a.sybil_max_tokens, lead_s=a.sybil_lead_s,
-                                                seed=a.seed + i)))
+                                                max_tokens=a.sybil_max_tokens, lead_s=lead, seed=a.seed + i,
+                                                attacker_first=a.attacker_first, window_s=a.share_window_s,
+                                                window_skip_s=a.share_window_skip_s,
+                                                window_step_s=a.share_window_step_s)))
         except ValueError as e:
             p.error(str(e))
+        rows[-1]["honest_windows"] = share_spread(rows[-1])
+        rows[-1]["fair_honest_share"] = fair
     _wait_idle(base)
     over = [r for r in rows if a.sybil_max_share is not None and (r["attacker_share"] or 0.0) > a.sybil_max_share]
+    under = [r for r in rows if a.sybil_min_honest_share is not None and r["attacker_tokens"] > 0
+             and any(x < a.sybil_min_honest_share for x in r["honest_windows"]["shares"] or [r["honest_share"] or 0.0])]
     if a.json:
-        print(json.dumps({"sybil": rows, "max_share": a.sybil_max_share, "over": [r["attack"] for r in over]},
-                         indent=2))
+        print(json.dumps({"sybil": rows, "max_share": a.sybil_max_share, "min_honest_share": a.sybil_min_honest_share,
+                          "weights": {"honest": hw, "attacker": aw}, "over": [r["attack"] for r in over],
+                          "under": [r["attack"] for r in under]}, indent=2))
     else:
         for r in rows:
-            share = "n/a" if r["attacker_share"] is None else f"{100 * r['attacker_share']:.1f}%"
-            print(f"sybil {r['attack']:<16} attacker {share} of {r['honest_tokens'] + r['attacker_tokens']:,} tokens "
-                  f"in {r['duration_s']:g} s (honest {r['honest_tokens']:,}, attacker {r['attacker_tokens']:,}); "
-                  f"attacker's answers {dict(sorted(r['attacker_statuses'].items()))} over {r['attacker_requests']:,} "
-                  f"requests; honest's {dict(sorted(r['honest_statuses'].items()))}")
-    return 1 if over else 0
+            print(f"sybil {r['attack']:<16} {r['order']} (lead {r['lead_s']:g} s): attacker "
+                  f"{_share(r['attacker_share'])}, honest {_share(r['honest_share'])} of "
+                  f"{r['honest_tokens'] + r['attacker_tokens']:,} tokens in {r['duration_s']:g} s from the second "
+                  f"party's start (honest {r['honest_tokens']:,}, attacker {r['attacker_tokens']:,}); attacker's "
+                  f"answers {dict(sorted(r['attacker_statuses'].items()))} over {r['attacker_requests']:,} requests; "
+                  f"honest's {dict(sorted(r['honest_statuses'].items()))}")
+            w = r["honest_windows"]
+            if w["shares"]:
+                dev = max(abs(x - fair) for x in w["shares"])
+                print(f"  honest share per {r['window_s']:g}-s window (every {r['window_step_s']:g} s from "
+                      f"{r['window_skip_s']:g} s after the second party's start; fair share at weights {hw}:{aw} "
+                      f"{100 * fair:.1f}%): min {_share(w['min'])}, mean {_share(w['mean'])}, max "
+                      f"{_share(w['max'])}, farthest from fair {100 * dev:.1f} points; "
+                      f"[{', '.join(_share(x) for x in w['shares'])}]")
+            else:
+                print(f"  no {r['window_s']:g}-s window with a token fits {r['duration_s']:g} s after a "
+                      f"{r['window_skip_s']:g}-s skip")
+    return 1 if over or under else 0
+
+
+def _stall_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -> int:
+    """``--stall N``: the stall probe (``stall_probe``); its lines or JSON; 1 when the ratio of the
+    loaded median TTFT over the idle one is over ``--stall-max-ratio``."""
+    if a.stall < 1 or a.stall_max_tokens < 1 or a.stall_probes < 1 or a.stall_warmup_s < 0 or a.stall_probe_gap_s < 0:
+        p.error("--stall, --stall-max-tokens, --stall-probes must be >= 1; --stall-warmup-s, --stall-probe-gap-s >= 0")
+    _wait_idle(base)
+    try:
+        r = asyncio.run(stall_probe(base, streams=a.stall, stream_key=a.attacker_key, probe_key=a.honest_key,
+                                    stream_max_tokens=a.stall_max_tokens, warmup_s=a.stall_warmup_s,
+                                    probes=a.stall_probes, probe_gap_s=a.stall_probe_gap_s))
+    except RuntimeError as e:
+        print(f"batch bench-serve: stall probe: {e}", file=sys.stderr)
+        return 1
+    _wait_idle(base)
+    bad = a.stall_max_ratio is not None and r["ratio_median"] > a.stall_max_ratio
+    if a.json:
+        print(json.dumps({"stall": r, "max_ratio": a.stall_max_ratio}, indent=2))
+        return 1 if bad else 0
+    ms = lambda xs: ", ".join(f"{1e3 * x:.1f}" for x in xs)  # noqa: E731
+    print(f"stall probe: {r['streams']} streams of max_tokens {r['stream_max_tokens']} on one key, probes after "
+          f"{r['warmup_s']:g} s: a {r['probe_max_tokens']}-token request's TTFT "
+          f"{1e3 * r['loaded_median_s']:.1f} ms median (max {1e3 * r['loaded_max_s']:.1f}) against "
+          f"{1e3 * r['idle_median_s']:.1f} ms idle: ratio {r['ratio_median']:.2f} (max {r['ratio_max']:.2f})")
+    if r["server_ratio"] is not None:
+        print(f"  on the server's clock (submit to first token, /metrics): mean "
+              f"{1e3 * r['server_loaded_mean_s']:.1f} ms loaded against {1e3 * r['server_idle_mean_s']:.1f} ms idle: ratio {r['server_ratio']:.2f}")
+    print(f"  idle TTFT ms [{ms(r['idle_ttft_s'])}]; loaded [{ms(r['loaded_ttft_s'])}]; the streams' rate over the "
+          f"warm-up's second half {r['stream_tok_s']:.0f} tok/s; server at each probe (running / waiting / KV blocks): "
+          + ", ".join("/".join("n/a" if h[k] is None else str(h[k]) for k in ("running", "waiting", "kv_blocks_used"))
+                      for h in r["health"]))
+    return 1 if bad else 0
+
+
+def _attack_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -> int:
+    """``--attack``: each attack in turn (``batch.server.bench_attacks``); three lines each, or JSON."""
+    from batch.server import bench_attacks  # noqa: PLC0415
+
+    attacks = a.attack.split(",")
+    bad = [x for x in attacks if x not in bench_attacks.ATTACKS]
+    if bad:
+        p.error(f"--attack: unknown attack(s) {', '.join(bad)}; choose among {', '.join(bench_attacks.ATTACKS)}")
+    if not a.attack_duration_s > 0 or min(a.attack_honest_concurrency, a.attack_sockets, a.attack_clients) < 1:
+        p.error("--attack-duration-s must be > 0; --attack-honest-concurrency, --attack-sockets, --attack-clients >= 1")
+    rows = []
+    if not a.json:
+        print(bench_attacks.context(base, a.honest_key), flush=True)
+    for attack in attacks:
+        rows.append(bench_attacks.attack_phase(base, attack, honest_key=a.honest_key, attacker_key=a.attacker_key,
+                                               duration_s=a.attack_duration_s,
+                                               honest_concurrency=a.attack_honest_concurrency,
+                                               sockets=a.attack_sockets, clients=a.attack_clients))
+        if not a.json:
+            print(bench_attacks.format_phase(rows[-1]), flush=True)
+        time.sleep(1.0)
+    if a.json:
+        print(bench_attacks.results_json(rows))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -633,6 +992,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sybil-max-tokens", type=int, default=100_000, help="--sybil: max_tokens of each request")
     p.add_argument("--sybil-max-share", type=float, default=None,
                    help="--sybil: exit 1 if an attacker's share of the tokens is above this")
+    p.add_argument("--attacker-first", action="store_true",
+                   help="--sybil: the attacker's streams open first, the honest party's --attacker-lead-s later")
+    p.add_argument("--attacker-lead-s", type=float, default=None,
+                   help="--sybil --attacker-first: the attacker streams this long before the honest party starts "
+                        "(default 2)")
+    p.add_argument("--share-window-s", type=float, default=15.0,
+                   help="--sybil: the honest party's share is also given per window of this many seconds (default 15)")
+    p.add_argument("--share-window-skip-s", type=float, default=5.0,
+                   help="--sybil: the first window starts this long after the second party's start (default 5)")
+    p.add_argument("--share-window-step-s", type=float, default=None,
+                   help="--sybil: a window starts every this many seconds (default: --share-window-s, back to back)")
+    p.add_argument("--sybil-weights", type=_weights, default=(1, 1), metavar="H:A",
+                   help="--sybil: the weights the server's config gives the honest and the attacker's users (default "
+                        "1:1); only sets the fair share the windows are printed against (the server's config sets "
+                        "the weights)")
+    p.add_argument("--sybil-min-honest-share", type=float, default=None,
+                   help="--sybil: exit 1 if the honest party's share in a window (the whole run without a window) is "
+                        "below this")
+    p.add_argument("--stall", type=int, default=None, metavar="N",
+                   help="the stall probe: one key (--attacker-key) runs N long streams, another key's (--honest-key) "
+                        "2-token request's TTFT against the same request's on the idle server")
+    p.add_argument("--stall-max-tokens", type=int, default=3000, help="--stall: max_tokens of each long stream")
+    p.add_argument("--stall-warmup-s", type=float, default=30.0,
+                   help="--stall: seconds of long streams before the probes (default 30)")
+    p.add_argument("--stall-probes", type=int, default=5, help="--stall: probes idle and loaded (default 5)")
+    p.add_argument("--stall-probe-gap-s", type=float, default=1.0, help="--stall: seconds between probes (default 1)")
+    p.add_argument("--stall-max-ratio", type=float, default=None,
+                   help="--stall: exit 1 if the loaded median TTFT is over this times the idle one")
+    p.add_argument("--attack", default=None, metavar="ATTACKS",
+                   help="honest throughput alone and under each attack, comma-separated, of: idle-sockets, "
+                        "slow-headers, scrape, 401-flood (batch.server.bench_attacks); --honest-key, --attacker-key")
+    p.add_argument("--attack-duration-s", type=float, default=10.0, help="--attack: seconds of each window (default 10)")
+    p.add_argument("--attack-honest-concurrency", type=int, default=16,
+                   help="--attack: honest streams kept going (default 16)")
+    p.add_argument("--attack-sockets", type=int, default=1100,
+                   help="--attack idle-sockets, slow-headers: connections held (default 1100)")
+    p.add_argument("--attack-clients", type=int, default=4,
+                   help="--attack scrape, 401-flood: keep-alive connections flooding (default 4)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -646,6 +1043,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if a.sybil:
         return _sybil_main(p, a, base)
+
+    if a.stall is not None:
+        return _stall_main(p, a, base)
+
+    if a.attack:
+        return _attack_main(p, a, base)
 
     if a.ab_burst:
         rows = [ab_burst_ratio(base, int(s), a.ab_window_s, a.ab_drop_after_b) for s in a.ab_seeds.split(",")]

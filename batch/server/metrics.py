@@ -12,7 +12,7 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:e2e_request_latency_seconds`` | histogram | submit to last token (finished requests) |
 | ``batch:request_queue_time_seconds`` | histogram | submit to admission (the scheduler's record) |
 | ``batch:iteration_seconds`` | histogram | wall time of one engine tick with a batch (forward included) |
-| ``batch:user_time_to_first_token_seconds{user}`` | summary | per user: TTFT count and sum (the mean); users past the label bound under ``user="other"`` (``ServerMetrics``) |
+| ``batch:user_time_to_first_token_seconds{user}`` | summary | per user: TTFT count and sum (the mean); users past the label bound (``max_user_labels``, configured users included) under ``user="other"`` (``ServerMetrics``) |
 | ``batch:prompt_tokens_total{user}`` | counter | prompt tokens of accepted requests, per user |
 | ``batch:generation_tokens_total{user}`` | counter | output tokens served, per user |
 | ``batch:request_success_total{finished_reason}`` | counter | requests ended: stop, length, error, abort |
@@ -89,21 +89,20 @@ class _SchedulerCollector:
 class ServerMetrics:
     """The metrics of one server; ``observe_tick`` runs on the event loop after each tick.
 
-    Per-user series are bounded: a user gets its own ``user`` label if it is among
-    ``known_users`` (the config's) or among the first ``max_user_labels`` other users seen;
-    every later user is counted under ``user="other"`` (random ``user`` values cannot grow
-    ``/metrics`` without bound).
+    Per-user series are bounded whatever the config holds: the first ``max_user_labels`` users
+    seen (configured or not: a config of 100,000 keys gives no more series than one of ten) get
+    their own ``user`` label, every later user is counted under ``user="other"``; a user gets its
+    label when it is first active, so nothing is held for a configured user that never sends.
 
     Args:
         engine: whose snapshot the gauges read.
-        known_users: users always labelled by name.
-        max_user_labels: how many other users get their own label (>= 0).
+        max_user_labels: how many users get their own label (>= 0).
     """
 
-    def __init__(self, engine: Engine, known_users: Iterable[str] = (), max_user_labels: int = 100) -> None:
+    def __init__(self, engine: Engine, max_user_labels: int = 100) -> None:
         if max_user_labels < 0:
             raise ValueError(f"max_user_labels must be >= 0, got {max_user_labels}")
-        self._labels = {u: u for u in known_users}  # user -> its label (never grows past the bound)
+        self._labels: dict[str, str] = {}  # user -> its label (never more than max_user_labels entries)
         self._unnamed_left = max_user_labels
         disable_created_metrics()  # no *_created series (process-wide in prometheus_client)
         r = self.registry = CollectorRegistry()

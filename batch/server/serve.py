@@ -37,8 +37,9 @@ import inference_stub
 from batch.policies.policy import FCFSPolicy
 from batch.policies.roundrobin import RoundRobinPolicy
 from batch.policies.vtc import VTCPolicy
-from batch.server.auth import Identities
+from batch.server.auth import Identities, KeyRing
 from batch.server.engine import Engine, SeededGPU
+from batch.server.limits import DEFAULT_LIMIT_CONCURRENCY, FD_RESERVE, HttpLimits, raise_open_files_limit
 from batch.server.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer
 from scheduler import Scheduler
 
@@ -166,10 +167,21 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "finite number > 0"
 
 
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < math.inf:
+        raise ValueError(text)
+    return v
+
+
+_non_negative_float.__name__ = "finite number >= 0"
+
+
 #: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
 #: when set to anything but their default (rather than silently ignored).
 _NOT_WITH_REPLICAS = ("max_running", "max_waiting", "prefix_caching", "served_model_name", "max_user_labels",
-                      "log_level", "device", "dtype")
+                      "log_level", "device", "dtype", "timeout_headers", "limit_concurrency",
+                      "h11_max_incomplete_event_size", "h11_max_header_count", "metrics_min_interval")
 
 
 def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
@@ -188,6 +200,8 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         identities = Identities(users.api_keys, trust_user_field=a.trust_user_field, user_header=a.user_header)
         if a.metrics_auth and not users.api_keys:
             raise ValueError("--metrics-auth needs the config's api_keys: there is no key to ask for")
+        if not a.timeout_keep_alive > 0:
+            raise ValueError(f"--timeout-keep-alive must be > 0, got {a.timeout_keep_alive}")
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
     try:
@@ -204,7 +218,8 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                    eos_probability=a.eos_probability, period_s=a.counter_period, weights=users.weights,
                    kv_cap_blocks=a.kv_cap_blocks,
                    max_body_bytes=a.max_body_bytes, api_keys=users.api_keys, trust_user_field=a.trust_user_field,
-                   user_header=a.user_header, metrics_need_key=a.metrics_auth, shutdown_timeout_s=a.shutdown_timeout)
+                   user_header=a.user_header, metrics_need_key=a.metrics_auth, shutdown_timeout_s=a.shutdown_timeout,
+                   timeout_keep_alive_s=a.timeout_keep_alive, auth_failure_delay_s=a.auth_failure_delay)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -255,11 +270,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--user-header", default=None, metavar="NAME",
                    help="without api_keys: the fairness identity is this request header's value, set by a trusted "
                         "gateway (e.g. x-tenant-id); clients must not be able to reach the server but through it")
-    p.add_argument("--metrics-auth", action="store_true",
-                   help="/metrics needs one of the config's API keys too (default: open, as /health)")
+    p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=None,
+                   help="/metrics needs one of the config's API keys too (default: yes when the config has "
+                        "api_keys, else open as /health; --no-metrics-auth opens it for a scraper inside the network)")
+    p.add_argument("--metrics-min-interval", type=_non_negative_float, default=0.1,
+                   help="seconds between two /metrics renders; each scrape gets a render begun after it arrived, "
+                        "concurrent scrapes share one (default 0.1)")
+    p.add_argument("--auth-failure-delay", type=_non_negative_float, default=0.1,
+                   help="seconds before a 401 is answered: a client trying made-up keys gets at most 1/DELAY "
+                        "answers a second per connection (default 0.1)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc nor /openapi.json (always off when the config has api_keys)")
     p.add_argument("--max-user-labels", type=int, default=100,
-                   help="users past the config's that get their own per-user metric label; later ones "
+                   help="users (the config's included) that get their own per-user metric label; later ones "
                         "are counted as user=\"other\" (default 100)")
+    g = p.add_argument_group("connection limits (docs/server.md, \"Connections\")")
+    g.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
+                   help="seconds an idle keep-alive connection is kept after a response (default 5, uvicorn's)")
+    g.add_argument("--timeout-headers", type=_positive_float, default=10.0,
+                   help="seconds a request's head (request line and headers) may take from the connection's opening "
+                        "or the previous response's end; a slower one is closed (default 10)")
+    g.add_argument("--limit-concurrency", type=int, default=None,
+                   help=f"most connections open at once; past it the one idle longest is closed, or the new one "
+                        f"refused with 503 when all are busy (default {DEFAULT_LIMIT_CONCURRENCY}, at most the "
+                        f"open-files limit less {FD_RESERVE})")
+    g.add_argument("--h11-max-incomplete-event-size", type=int, default=16 * 1024,
+                   help="largest request head (request line and headers), bytes; a larger one gets 431 "
+                        "(default 16384)")
+    g.add_argument("--h11-max-header-count", type=int, default=256,
+                   help="most header lines in a request; more get 431 (default 256)")
     p.add_argument("--shutdown-timeout", type=_positive_float, default=10.0,
                    help="at SIGINT/SIGTERM, seconds to wait for open responses after aborting the requests "
                         "in flight (default 10)")
@@ -287,25 +326,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"batch serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
         return 2
     backend = a.backend or ("model" if a.model else "sim")
+    nofile_before, nofile = raise_open_files_limit()  # each connection holds a descriptor
     try:
         users = load_config(a.config)
+        keys = KeyRing(users.api_keys)  # digests only: the raw keys are dropped below
+        users.api_keys.clear()
+        limits = HttpLimits(timeout_keep_alive=a.timeout_keep_alive, timeout_headers=a.timeout_headers,
+                            limit_concurrency=a.limit_concurrency,
+                            h11_max_incomplete_event_size=a.h11_max_incomplete_event_size,
+                            h11_max_header_count=a.h11_max_header_count)
         engine, tok, name = build_engine(backend=backend, model=a.model, time_scale=a.time_scale, seed=a.seed,
                                          eos_probability=a.eos_probability, policy=a.policy, weights=users.weights,
                                          kv_cap_blocks=a.kv_cap_blocks, max_running=a.max_running, device=a.device,
                                          dtype=a.dtype, prefix_caching=a.prefix_caching)
         cfg = ServerConfig(model_name=a.served_model_name or name, max_waiting=a.max_waiting,
-                           api_keys=users.api_keys, seed_by_prompt=backend == "sim",
+                           api_keys=keys, seed_by_prompt=backend == "sim",
                            max_body_bytes=a.max_body_bytes, trust_user_field=a.trust_user_field,
                            user_header=a.user_header, metrics_need_key=a.metrics_auth,
-                           known_users=tuple(users.weights), max_user_labels=a.max_user_labels)
+                           max_user_labels=a.max_user_labels, limits=limits,
+                           disable_fastapi_docs=a.disable_fastapi_docs, auth_failure_delay_s=a.auth_failure_delay,
+                           metrics_min_interval_s=a.metrics_min_interval)
         app = create_app(engine, tok, cfg)
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
+    srv = app.state.server
     print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}, identity: "
-          f"{app.state.server.identities.mode}) on http://{a.host}:{a.port}", file=sys.stderr)
+          f"{srv.identities.mode}{', /metrics needs a key' if srv.metrics_need_key else ''}) on "
+          f"http://{a.host}:{a.port}", file=sys.stderr)
+    raised = "" if nofile == nofile_before else f", raised from {nofile_before}"
+    print(f"batch serve: at most {app.state.guard.max_connections} connections (open-files limit {nofile}{raised}), "
+          f"request head within {a.timeout_headers:g} s and {a.h11_max_incomplete_event_size} bytes, keep-alive "
+          f"{a.timeout_keep_alive:g} s", file=sys.stderr)
     _log_to_stderr(a.log_level)
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
-                            timeout_graceful_shutdown=a.shutdown_timeout)
+    config = app.state.guard.uvicorn_config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+                                            timeout_graceful_shutdown=a.shutdown_timeout)
     try:
         GracefulServer(config, engine).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it caught, after its clean shutdown

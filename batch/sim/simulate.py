@@ -3,7 +3,10 @@ metrics table and JSON it prints (the command line is ``batch.cli``: ``python -m
 
 Arrivals are replayed: each request is submitted when the clock passes its arrival offset,
 between ticks, as a serving loop would. With ``--clock virtual`` the stub advances simulated
-time by its latency model instead of sleeping, and idle gaps are skipped.
+time by its latency model instead of sleeping, and idle gaps are skipped. With ``gpu=NAME``
+(``--gpu``) the iteration time is a real deployment's instead (``batch.sim.gpu_profile``: what
+each iteration's prefill tokens, decode sequences and KV reads cost there), and the scheduler's
+limits default to vLLM's for that GPU.
 
 The metrics are ``Scheduler.metrics()`` (``batch.core.metrics``); ``--json`` prints them under vLLM
 ``benchmark_serving``'s names (``goodput.benchmark_metrics``) with the goodput under
@@ -93,6 +96,7 @@ def run_workload(
     eos_probability: float = inference_stub.EOS_PROBABILITY,
     progress: bool = False,
     max_ticks: int | None = None,
+    gpu: str | None = None,
     **scheduler_kwargs,
 ) -> RunResult:
     """Replay ``requests`` (``submitted_at`` = arrival offset, seconds) through a scheduler.
@@ -106,6 +110,11 @@ def run_workload(
         progress: show a tqdm progress bar of finished (and refused) requests on stderr once the
             run has lasted ``PROGRESS_DELAY_S`` (a shorter run prints nothing).
         max_ticks: stop with ``RuntimeError`` after this many ticks (a guard for tests).
+        gpu: a ``batch.sim.gpu_profile`` profile name: the iteration time is that deployment's
+            (``SimulatedGPU(profile=gpu)``, a paged backend the scheduler drives through
+            ``execute_model``; ``base_s`` and ``per_request_s`` are unused) and the scheduler's
+            ``kv_cap_blocks``, ``block_tokens``, ``token_budget_tokens`` and ``max_running`` default to
+            the profile's limits (vLLM's defaults for that GPU). ``None``: the stub's clock.
         **scheduler_kwargs: passed to ``make_scheduler`` (``clock`` and ``backend`` are set here).
 
     Returns:
@@ -124,9 +133,15 @@ def run_workload(
                              f"number of seconds >= 0, got {t!r}")
     clock = VirtualClock() if virtual else None
     now: Callable[[], float] = clock.now if clock else time.time
-    gpu = SimulatedGPU(base_s=base_s, per_request_s=per_request_s, eos_probability=eos_probability,
-                       seed=gpu_seed, clock=clock)
-    sched = make_scheduler(clock=now, backend=gpu.forward, **scheduler_kwargs)
+    if gpu is None:
+        sim = SimulatedGPU(base_s=base_s, per_request_s=per_request_s, eos_probability=eos_probability,
+                           seed=gpu_seed, clock=clock)
+        backend = sim.forward
+    else:
+        sim = SimulatedGPU(profile=gpu, eos_probability=eos_probability, seed=gpu_seed, clock=clock)
+        backend = sim  # the scheduler calls its execute_model
+        scheduler_kwargs = {**sim.profile.limits.scheduler_kwargs(), **scheduler_kwargs}
+    sched = make_scheduler(clock=now, backend=backend, **scheduler_kwargs)
     pending = sorted(requests, key=lambda r: r.submitted_at)
     offsets = [r.submitted_at for r in pending]
     result = RunResult(scheduler=sched, finished=[])
@@ -170,7 +185,7 @@ def run_workload(
         bar.close()
     result.wall_s = time.perf_counter() - wall0
     result.sim_s = now() - t0
-    result.busy_s = gpu.busy_s
+    result.busy_s = sim.busy_s
     return result
 
 
