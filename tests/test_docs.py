@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -84,11 +85,25 @@ def doc_files() -> list[Path]:
     return [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
 
 
+#: Folders a tree without git (``tools/mutants.py``'s copies) leaves out of ``tree_files``: what
+#: ``.gitignore`` ignores.
+UNTRACKED_DIRS = {".git", ".venv", ".venv-vllm", "__pycache__", ".pytest_cache", ".hypothesis", "build"}
+
+
 @functools.cache
 def tree_files() -> frozenset[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return frozenset(p for p in out.splitlines() if (ROOT / p).exists())
+    """The checkout's files (``git ls-files``: tracked and untracked, less the ignored), or, in a
+    copy that is not a git checkout, every file under the root outside ``UNTRACKED_DIRS``."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return frozenset(p for p in out.splitlines() if (ROOT / p).exists())
+    except (OSError, subprocess.CalledProcessError):
+        files = set()
+        for d, dirs, names in os.walk(ROOT):
+            dirs[:] = [x for x in dirs if x not in UNTRACKED_DIRS and not x.endswith(".egg-info")]
+            files.update(os.path.relpath(os.path.join(d, n), ROOT) for n in names)
+        return frozenset(files)
 
 
 @functools.cache
