@@ -97,7 +97,7 @@ $(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
 	touch $@
 
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm $(ARGS)
+	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm --async-vllm $(ARGS)
 	$(VLLM_VENV)/bin/python bench/vllm_prefix_compare.py
 
 # Every figure the README and docs/ quote, each step a fresh process (tools/figures.py; its first
