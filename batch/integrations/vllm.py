@@ -179,6 +179,8 @@ class PolicyQueue(RequestQueue):
 
     def settle(self) -> None:
         """End the current scan: popped requests leave the policy; the next peek starts afresh."""
+        if self._order is None:  # no scan open (a scan starts with order(); pops follow peeks)
+            return
         self._order = self._head = None
         for e in self._taken:
             self.policy.remove(e)
@@ -415,7 +417,13 @@ class _FairMixin:
         scheduled = out.num_scheduled_tokens
         due: dict[str, int] = {}
         done: list[_Entry] = []
-        for e in self._prefilling:
+        prefilling = self._prefilling
+        if len(scheduled) < len(prefilling):  # many waiting after a preemption mid-prefill: walk the step
+            entries = self._entries
+            todo = [e for e in map(entries.get, scheduled) if e is not None and e in prefilling]
+        else:
+            todo = prefilling
+        for e in todo:
             r = e.vreq
             k = scheduled.get(r.request_id)
             if not k:
@@ -569,6 +577,8 @@ class _FairMixin:
     def _choose_victim(self, running: list[Request]) -> Request | None:
         if not running:
             return None
+        if len(self._live) == 1:  # one user at all
+            return running[-1]
         entries = self._entries
         cands = [entries[r.request_id] for r in running]
         if len({e.user_id for e in cands}) == 1:
