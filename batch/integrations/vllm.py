@@ -289,8 +289,10 @@ class _FairMixin:
     Invariant: every live request has one entry; ``_live[u]`` counts user u's live requests
     (waiting or running; no zero entries); ``Policy.on_idle(u)`` runs when it reaches 0, after
     the charges of the step that freed the request and of every step in flight with u's prompt
-    tokens (``_inflight``). Departs from vLLM: the request's own ``priority`` is ignored
-    (``_FairRequest``).
+    tokens (``_inflight``). Assumes what vLLM's engine core does: every ``SchedulerOutput`` that
+    ``schedule()`` returns comes back once to ``update_from_output()`` (a step whose output never
+    came back would keep its users from being told idle). Departs from vLLM: the request's own
+    ``priority`` is ignored (``_FairRequest``).
     """
 
     #: Whether the class runs one step ahead (vLLM's ``scheduler_config.async_scheduling``).
@@ -606,8 +608,8 @@ class _FairMixin:
         return outputs
 
     def _charge(self, prompt: dict[str, int] | None, outputs: dict) -> None:
-        """Charge each user, once, ``[prompt tokens counted for this step, output tokens vLLM
-        delivered in ``outputs``]`` (``last_charges``).
+        """Charge each user, once: the prompt tokens counted for this step and the output tokens
+        vLLM delivered in ``outputs`` (recorded in ``last_charges``).
 
         Source: ``batch.core.step.apply`` (one ``Policy.charge`` per user per step)."""
         charges: dict[str, list[int]] = {u: [p, 0] for u, p in prompt.items()} if prompt else {}
