@@ -125,7 +125,7 @@ STEPS: tuple[Step, ...] = (
     Step("run-model", (_py("-m", "batch", "--backend", "model"),), _results("run-model")),
     Step("cold-fairness", (_py("bench/cold_fairness.py", "--seeds", "20", "--styles", "at_once,when_due,arrival",
                                "--policies", "batch,fcfs"),), _results("cold-fairness")),
-    Step("vllm-compare", (_py("bench/vllm_compare.py", "--fair-vllm", vllm=True),), _results("vllm-compare"),
+    Step("vllm-compare", (_py("bench/vllm_compare.py", "--fair-vllm", "--async-vllm", vllm=True),), _results("vllm-compare"),
          markdown=True),
     Step("vllm-tolerance", (_py("bench/vllm_compare.py", "--fcfs", "--tolerance", "2048", "--tolerance", "8192",
                                 "--tolerance", "32768", "--tolerance", "131072", "--no-sweep", vllm=True),),
