@@ -88,7 +88,7 @@ bench-cold: $(RUN_STAMP)
 
 # Batch beside vLLM's own V1 scheduler on one simulated clock (bench/vllm_compare.py; ARGS="--traces DIR").
 # Its own venv, .venv-vllm (about 2 minutes and 2.2 GB, no GPU), which `make test` also builds and
-# `make run` never touches; nothing of it is installed into .venv. Recipe: ../shared/guides/vllm-comparison.md.
+# `make run` never touches; nothing of it is installed into .venv. Recipe: bench/requirements-vllm.txt.
 $(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) $$(grep -E '^torch==' bench/requirements-vllm.txt)

@@ -10,7 +10,7 @@
                                                          # a Mooncake trace, prefix caching on (its default)
 
 Installed, the same command is ``batch-sim``. A ``--trace`` given by file name is looked up in
-``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the checkout
+``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``data/traces`` in the checkout
 (``batch.sim.traces``). The replay, the metrics table and the JSON are ``batch.sim.simulate``'s.
 
 Prefix caching (``Scheduler(prefix_caching=True)``, ``docs/prefix-caching.md``) is on by default for
@@ -116,7 +116,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                                    "traces folder)")
     p.add_argument("--trace-dir", default=None,
                    help=f"the traces folder a bare --trace name is looked up in (default ${traces.TRACES_ENV}, "
-                        "else ../shared/traces beside the checkout)")
+                        "else data/traces in the checkout)")
     p.add_argument("--limit", type=_count(0), default=None,
                    help="first N trace rows only (0: nothing to run, exit 0)")
     p.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply trace arrival offsets by this")

@@ -6,8 +6,7 @@ targets: it is history and names what was removed):
 * every file path in backticks or in a link target exists, relative to the repository root or to
   docs/ (``../shared/...`` paths point outside the repository and are skipped; files that a
   command writes are listed in ``GENERATED`` with that command); a bare file name
-  (``test_fuzz.py``) must be the name of some file in the tree, except a bare ``*.csv``, a trace
-  of the traces folder outside the repository;
+  (``test_fuzz.py``, ``trace2k.csv``) must be the name of some file in the tree;
 * every ``file.py:function`` names a function, class or name defined in that file;
 * every dotted ``module.name`` / ``Class.name`` whose first part is a module or class of this
   repository names something defined there (other dotted names, ``time.time``, are skipped);
@@ -54,9 +53,9 @@ GENERATED = {
 }
 # Names other agents are writing at the same time (linked to, not owned by these docs).
 EXTERNAL_DOCS = {"docs/vllm-plugin.md", "docs/prefix-caching.md"}
-# Names of things outside the repository that read like ours: the traces folder's anchors/, and
-# Ray Serve's module (`serve.shutdown()`), not batch/server/serve.py.
-FOREIGN = {"anchors/", "anchors", "serve", "vllm", "ray", "torch", "transformers", "z3", "np", "numpy", "fastapi",
+# Names of things outside the repository that read like ours: Ray Serve's module (`serve.shutdown()`),
+# not batch/server/serve.py.
+FOREIGN = {"serve", "vllm", "ray", "torch", "transformers", "z3", "np", "numpy", "fastapi",
            "uvicorn", "httpx", "openai", "hypothesis", "pytest"}
 # snake_case names of other projects' APIs that the docs quote (vLLM, z3, uvicorn, Ray) and one trace.
 EXTERNAL_IDENTIFIERS = {"benchmark_serving", "allocate_slots", "random_seed", "timeout_graceful_shutdown", "max_restarts",
@@ -166,8 +165,6 @@ def path_exists(path: str, doc: Path) -> bool:
             return True
         if "*" in c and any(Path(f).match(c) for f in tree_files()):
             return True
-    if "/" not in path and path.endswith(".csv"):
-        return True  # a trace: traces live in the traces folder, outside the repository (README)
     if "/" not in path:
         return path in basenames() or path.rstrip("/") in {d.rsplit("/", 1)[-1] for d in tree_dirs()}
     return False

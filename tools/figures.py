@@ -133,7 +133,7 @@ STEPS: tuple[Step, ...] = (
     Step("vllm-prefix-compare", (_py("bench/vllm_prefix_compare.py", "--cold", vllm=True),),
          _results("vllm-prefix-compare"), markdown=True),
     # docs/prefix-caching.md: the main-job command, and the A/B burst with a shared prompt.
-    Step("prefix-main-job", (Run((BATCH, "--trace", "../shared/traces/mooncake_conversation_trace.jsonl", "--limit",
+    Step("prefix-main-job", (Run((BATCH, "--trace", "mooncake_conversation_trace.jsonl", "--limit",
                                   "400", "--kv-cap-blocks", "2048", "--users", "5", "--clock", "virtual")),),
          _results("prefix-main-job")),
     Step("prefix-ab", (_py("bench/vllm_prefix_compare.py", "--ab-seeds", "10"),), _results("prefix-ab"), markdown=True),

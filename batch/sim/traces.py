@@ -1,23 +1,21 @@
-"""Production traces: where they are and how they load.
+"""Request traces: where they are and how they load.
 
 ``load_trace`` replays the normalised trace CSVs (``arrival_s,prompt_tokens,output_tokens,user_id``)
-of the shared traces folder: the Azure LLM inference trace 2023 (Patel et al., Splitwise,
-ISCA 2024) and the Mooncake FAST'25 traces; the anchor traces are in its ``anchors/`` folder.
-A ``.jsonl`` file is read as a Mooncake trace (``load_mooncake``): ``timestamp`` (ms),
-``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token block of the prompt,
-from which the prompt's token ids are derived so that equal ids give equal tokens (the prefix
-cache's hits; ``docs/prefix-caching.md``).
+of the traces folder: the Azure LLM inference trace 2023 (Patel et al., Splitwise, ISCA 2024) and
+the Mooncake FAST'25 traces; the anchor traces are in its ``anchors/`` folder. A ``.jsonl`` file
+is read as a Mooncake trace (``load_mooncake``): ``timestamp`` (ms), ``input_length``,
+``output_length`` and ``hash_ids``, one id per 512-token block of the prompt, from which the
+prompt's token ids are derived so that equal ids give equal tokens (the prefix cache's hits;
+``docs/prefix-caching.md``). Each file's source, licence and derivation: ``data/traces/README.md``.
 
-A trace given by file name is looked up in the traces folder, found by a setting, never by
-where this file is installed. First to last:
+A trace given by file name is looked up in the traces folder, first to last:
 
 1. a folder passed explicitly (the main job's ``--trace-dir``, the bench scripts' ``--traces``);
 2. ``$BATCH_TRACES_DIR``;
-3. ``../shared/traces`` beside the checkout the current directory is in (the nearest folder at
-   or above it holding ``pyproject.toml`` and ``scheduler.py``), else beside the checkout this
-   package sits in (an editable install), else ``../shared/traces`` from the current directory.
-
-Run from a checkout, the default is what it always was: ``../shared/traces`` beside the repository.
+3. ``data/traces`` of the repository: the checkout the current directory is in (the nearest
+   folder at or above it holding ``pyproject.toml`` and ``scheduler.py``), else the one this
+   package sits in (a checkout on ``sys.path``, an editable install). A package installed
+   without its repository (``pip install .``) has no traces folder: set ``$BATCH_TRACES_DIR``.
 """
 from __future__ import annotations
 
@@ -49,11 +47,29 @@ def project_root(start: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
+#: The traces folder inside the repository (``data/traces/README.md`` lists its files).
+REPO_TRACES = Path("data") / "traces"
+
+
 def default_traces_dir() -> Path:
-    """``../shared/traces`` beside the current directory's checkout, else beside the checkout
-    holding this package, else relative to the current directory (see the module docstring)."""
-    root = project_root() or project_root(Path(__file__).parent)
-    return (root.parent if root else Path.cwd().parent) / "shared" / "traces"
+    """``data/traces`` of the current directory's checkout, else of the checkout holding this
+    package, else where it would be beside the installed package (absent: see the module
+    docstring)."""
+    root = project_root() or project_root(Path(__file__).parent) or Path(__file__).resolve().parents[2]
+    return root / REPO_TRACES
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the current directory's checkout when inside it (``data/traces/anchors``),
+    else as given: what a report prints, the same on every machine."""
+    root = project_root()
+    p = Path(path)
+    if root is not None:
+        try:
+            return str(p.resolve().relative_to(root))
+        except ValueError:
+            pass
+    return str(path)
 
 
 def traces_dir(folder: str | os.PathLike | None = None) -> Path:
@@ -80,7 +96,7 @@ def resolve_trace(name_or_path: str | os.PathLike, trace_dir: str | os.PathLike 
         if found.exists():
             return found
     raise FileNotFoundError(f"no trace at {p} nor {q} (traces folder: --trace-dir, else ${TRACES_ENV}, "
-                            f"else ../shared/traces beside the checkout)")
+                            f"else {REPO_TRACES} in the checkout)")
 
 
 def _numbered_rows(reader: csv.DictReader, path: str | os.PathLike, limit: int | None) -> list[tuple[int, dict]]:
@@ -122,7 +138,7 @@ def load_trace(
             ``anchors/`` folder name it so).
         seed: seed for prompt token ids and user assignment.
         trace_dir: the traces folder a bare file name is looked up in (default: ``$BATCH_TRACES_DIR``,
-            else ``../shared/traces`` beside the checkout).
+            else ``data/traces`` in the checkout).
 
     A ``.jsonl`` file is a Mooncake trace: ``load_mooncake`` reads it (the same arguments).
 
