@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "batch") -> int:
         SystemExit: status 2 with one ``batch: error: ...`` line on stderr and nothing else for a
             bad argument: an unknown option or a bad value; a ``--trace`` that is missing, a
             directory, unreadable, or has a malformed row (a non-number, a nan / inf / negative
-            ``arrival_s``); a ``--model`` that is not a checkpoint directory; a ``--device`` that
+            ``arrival_s``, a token count < 1: no request could have it); a ``--model`` that is not a checkpoint directory; a ``--device`` that
             is not a torch device name or that this machine lacks; ``--backend model`` without
             the ``model`` extra.
     """

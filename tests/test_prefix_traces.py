@@ -86,7 +86,7 @@ def test_a_jsonl_trace_loads_as_mooncake_with_seconds_users_and_shared_prefixes(
     ('{"timestamp": 0, "input_length": 10, "output_length": 5}', "hash_ids"),
     ('{"timestamp": "0", "input_length": 10, "output_length": 5, "hash_ids": [0]}', "must be a number"),
     ('{"timestamp": -1, "input_length": 10, "output_length": 5, "hash_ids": [0]}', "timestamp must be"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": -5, "hash_ids": [0]}', "lengths >= 0"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": -5, "hash_ids": [0]}', "lengths >= 1"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0]}', "hash ids"),
 ])
 def test_a_malformed_mooncake_row_names_the_file_and_line(tmp_path, line, what):

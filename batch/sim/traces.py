@@ -153,8 +153,9 @@ def load_trace(
         IsADirectoryError: ``path`` is a directory.
         ValueError: a malformed row, naming the file, the line and the value: a field that is
             not a number, an ``arrival_s`` that is not finite (nan, inf) or is negative (a nan
-            arrival made a replay wait for ever), or a negative token count; a file that is not
-            UTF-8 text or not CSV; ``time_scale`` not a finite number > 0; ``users < 1``.
+            arrival made a replay wait for ever), or a token count < 1 (an empty prompt or no
+            output token: no request could have it, ``Scheduler.submit`` refuses it); a file that
+            is not UTF-8 text or not CSV; ``time_scale`` not a finite number > 0; ``users < 1``.
     """
     _check_scale_users(time_scale, users)
     found = resolve_trace(path, trace_dir)
@@ -180,8 +181,10 @@ def load_trace(
         arrival_s *= time_scale
         if arrival_s == math.inf:
             raise ValueError(f"{where}: arrival_s {row['arrival_s']!r} times time_scale {time_scale} is not finite")
-        if plen < 0 or olen < 0:
-            raise ValueError(f"{where}: token counts must be >= 0, got prompt_tokens={plen}, output_tokens={olen}")
+        if plen < 1 or olen < 1:  # Scheduler.submit refuses both: a table of zeros, not a replay
+            raise ValueError(f"{where}: no request can have this row: prompt_tokens and output_tokens must be "
+                             f">= 1 (a request has a prompt and asks for a token), got prompt_tokens={plen}, "
+                             f"output_tokens={olen}")
         user = (row.get("user_id") or row.get("user") or "").strip() or f"u{rng.randint(1, users)}"
         out.append(
             Request(
@@ -263,8 +266,8 @@ def load_mooncake(
     Raises:
         FileNotFoundError, IsADirectoryError: as ``resolve_trace``.
         ValueError: a malformed row, naming the file and the line: not JSON, a field missing or of
-            the wrong type, a negative or non-finite timestamp, a negative count, hash ids that do
-            not cover the prompt; ``time_scale`` or ``users`` out of range.
+            the wrong type, a negative or non-finite timestamp, a length < 1 (no request could
+            have it), hash ids that do not cover the prompt; ``time_scale`` or ``users`` out of range.
     """
     _check_scale_users(time_scale, users)
     rng = random.Random(seed)
@@ -287,9 +290,10 @@ def load_mooncake(
                     raise TypeError("timestamp must be a number; input_length, output_length and hash_ids ints")
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{where}: not a Mooncake row ({type(e).__name__}: {e})") from None
-            if not 0 <= ts_ms < math.inf or plen < 0 or olen < 0:
-                raise ValueError(f"{where}: timestamp must be finite ms >= 0 and lengths >= 0, got "
-                                 f"timestamp={ts_ms!r}, input_length={plen}, output_length={olen}")
+            if not 0 <= ts_ms < math.inf or plen < 1 or olen < 1:
+                raise ValueError(f"{where}: timestamp must be finite ms >= 0 and lengths >= 1 (a request has a "
+                                 f"prompt and asks for a token), got timestamp={ts_ms!r}, input_length={plen}, "
+                                 f"output_length={olen}")
             first_ms = ts_ms if first_ms is None else first_ms
             try:
                 prompt = mooncake_prompt(plen, ids, cache=blocks)
