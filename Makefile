@@ -89,11 +89,14 @@ bench-cold: $(RUN_STAMP)
 # Batch beside vLLM's own V1 scheduler on one simulated clock (bench/vllm_compare.py; ARGS="--traces DIR").
 # Its own venv, .venv-vllm (about 2 minutes and 2.2 GB, no GPU), which `make test` also builds and
 # `make run` never touches; nothing of it is installed into .venv. Recipe: bench/requirements-vllm.txt.
+# vllm and xgrammar go in with --no-deps, so pip's resolver then lists their ~45 unmet requirements
+# as errors; tools/pip_install.py prints one note line in their place (the list: in .venv-vllm).
 $(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) $$(grep -E '^torch==' bench/requirements-vllm.txt)
 	$(VLLM_PIP) --no-deps -r bench/requirements-vllm-nodeps.txt
-	$(VLLM_PIP) -r bench/requirements-vllm.txt
+	$(VLLM_VENV)/bin/python tools/pip_install.py --no-deps-file bench/requirements-vllm-nodeps.txt \
+	  --log $(VLLM_VENV)/pip-unmet-requirements.txt -- $(VLLM_PIP) -r bench/requirements-vllm.txt
 	touch $@
 
 bench-vllm: $(VLLM_STAMP)
