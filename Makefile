@@ -45,9 +45,9 @@ $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 run: $(RUN_STAMP)
 	$(BIN)/python -m batch $(ARGS)
 
-# The HTTP server on the simulated GPU in real time (batch serve; ARGS="--port 9000 --time-scale 0.1").
+# The HTTP server on the simulated GPU in real time (batch-llm serve; ARGS="--port 9000 --time-scale 0.1").
 serve: $(SERVE_STAMP)
-	$(BIN)/batch serve --port 8000 $(ARGS)
+	$(BIN)/batch-llm serve --port 8000 $(ARGS)
 
 # Every test, each in the environment it needs: .venv with every extra (the Ray tests included)
 # runs all but the tests marked vllm, .venv-vllm runs those. BATCH_REQUIRE_ALL=1 makes a test that

@@ -39,6 +39,7 @@ from batch.core import goodput, metrics
 from batch.sim import traces
 from batch.sim.simulate import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, POLICIES, format_metrics, json_metrics,
                                 run_workload)
+from batch.version import version
 from scheduler import Scheduler
 
 
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "batch") -> int:
 
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
-        prog: the program's name in ``--help`` and in error lines (``batch sim`` names the
+        prog: the program's name in ``--help`` and in error lines (``batch-llm sim`` names the
             subcommand).
 
     Raises:
@@ -137,6 +138,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                         "off otherwise); the metrics then carry the prefix-cache hit rate")
     p.add_argument("--max-running", type=_count(1), default=None, help="most resident requests (default 256)")
     p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                   help="print the version (pyproject.toml's) and exit")
     p.add_argument("--no-progress", action="store_true",
                    help="hide the progress bar (shown on stderr, when it is a terminal, once a run lasts 2 s)")
     p.add_argument("--backend", choices=("stub", "model"), default="stub",

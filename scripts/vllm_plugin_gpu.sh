@@ -2,7 +2,7 @@
 # Batch's fairness inside a real vLLM server on a GPU (docs/vllm-plugin.md): a small model under
 # `vllm serve` twice, first with vLLM's own scheduler, then with
 # `--scheduler-cls batch.integrations.vllm.FairScheduler` and the user middleware, and each time
-# the A/B burst over HTTP with `batch bench-serve --ab-burst` (B's median TTFT with A over B alone).
+# the A/B burst over HTTP with `batch-llm bench-serve --ab-burst` (B's median TTFT with A over B alone).
 #
 #   scripts/vllm_plugin_gpu.sh                      # defaults below
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct SEEDS=4,5,6 PORT=8011 scripts/vllm_plugin_gpu.sh

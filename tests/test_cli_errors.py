@@ -220,7 +220,7 @@ def test_the_batch_sim_subcommand_names_itself_in_its_one_error_line(capsys):
     with pytest.raises(SystemExit) as e:
         commands.main(["sim", "--bogus"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == "batch sim: error: unrecognized arguments: --bogus\n"
+    assert e.value.code == 2 and err == "batch-llm sim: error: unrecognized arguments: --bogus\n"
 
 
 def test_help_still_prints_the_usage_under_the_name_batch():

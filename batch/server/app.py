@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streaming with
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or not), ``GET
 /v1/models``, ``GET /health`` (JSON: the scheduler's state and the engine's totals) and ``GET
-/metrics`` (Prometheus). ``create_app`` builds the app; ``batch serve`` runs it under uvicorn.
+/metrics`` (Prometheus). ``create_app`` builds the app; ``batch-llm serve`` runs it under uvicorn.
 
 Request fields used: ``prompt`` (completions: a string, a list of token ids, or a list of
 exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
