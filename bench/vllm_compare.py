@@ -65,8 +65,8 @@ Usage, from the repository root::
     python bench/vllm_compare.py --batch-only               # no vllm needed: Batch's side only
 
 Traces: CSV files ``arrival_s,prompt_tokens,output_tokens,user`` in ``--traces DIR``, else the
-``anchors/`` folder of the traces folder (``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside
-the checkout; ``batch.sim.traces``), else ``$BATCH_TRACES_DIR`` itself when it has no ``anchors/``.
+``anchors/`` folder of the traces folder (``$BATCH_TRACES_DIR``, else ``data/traces`` in the
+checkout; ``batch.sim.traces``), else ``$BATCH_TRACES_DIR`` itself when it has no ``anchors/``.
 """
 from __future__ import annotations
 
@@ -223,8 +223,8 @@ class TraceRequest:
 
 def traces_dir(arg: str | os.PathLike | None = None) -> Path:
     """The anchor traces' folder: ``arg`` if given, else ``anchors/`` in the traces folder
-    (``batch.sim.traces.traces_dir()``: ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the
-    checkout); a ``$BATCH_TRACES_DIR`` with no ``anchors/`` inside is taken as the anchors' folder."""
+    (``batch.sim.traces.traces_dir()``: ``$BATCH_TRACES_DIR``, else ``data/traces`` in the checkout);
+    a ``$BATCH_TRACES_DIR`` with no ``anchors/`` inside is taken as the anchors' folder."""
     if arg:
         return Path(arg)
     base = traces.traces_dir()
@@ -973,7 +973,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces", default=None, help=f"folder of trace CSVs (default: anchors/ in ${TRACES_ENV}, "
-                                                  f"else ../shared/traces/anchors beside the checkout)")
+                                                  f"else data/traces/anchors in the checkout)")
     p.add_argument("--only", default=None, help="comma-separated trace file names (or stems) to run")
     p.add_argument("--batch-only", action="store_true", help="Batch's side only (no vllm needed)")
     p.add_argument("--fcfs", action="store_true", help="also Batch with policy.FCFSPolicy() (arrival order)")
@@ -1096,7 +1096,7 @@ def stub_section(a: argparse.Namespace, files: Sequence[Path], folder: Path) -> 
 
     print(f"Simulated clock: {BASE_S * 1e3:g} ms + {PER_REQUEST_S * 1e3:g} ms per scheduled request per step; "
           f"KV {KV_BLOCKS} blocks x {BLOCK_TOKENS} tokens; EOS at each request's recorded output length; "
-          f"traces from {folder}")
+          f"traces from {traces.shown_path(folder)}")
     print(f"Limits on both sides: max_num_seqs = Batch max_running = {VLLM_MAX_SEQS}, max_num_batched_tokens = "
           f"Batch token_budget_tokens = {VLLM_MAX_BATCHED_TOKENS}")
     if not a.batch_only:

@@ -3,7 +3,7 @@
 # `vllm serve` twice, first with vLLM's own scheduler, then with
 # `--scheduler-cls batch.integrations.vllm.AsyncFairScheduler` and the user middleware, both with
 # async scheduling on (vLLM's default), and each time
-# the A/B burst over HTTP with `batch bench-serve --ab-burst` (B's median TTFT with A over B alone).
+# the A/B burst over HTTP with `batch-llm bench-serve --ab-burst` (B's median TTFT with A over B alone).
 #
 #   scripts/vllm_plugin_gpu.sh                      # defaults below
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct SEEDS=4,5,6 PORT=8011 scripts/vllm_plugin_gpu.sh

@@ -89,7 +89,7 @@ def run(coro):
     return asyncio.new_event_loop().run_until_complete(coro)
 
 
-# ------------------------------------------------ batch serve --replicas 2 in its own process
+# ------------------------------------------------ batch-llm serve --replicas 2 in its own process
 # (these run first: the module's own Ray instance starts with the first test that needs `handle`)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ SHUTDOWN_TIMEOUT_S = 5
 
 @pytest.fixture(scope="module")
 def replicas_server(tmp_path_factory):
-    """``batch serve --replicas 2`` with API keys and no early EOS, in its own session (so a signal to
+    """``batch-llm serve --replicas 2`` with API keys and no early EOS, in its own session (so a signal to
     its process group is a terminal's Ctrl-C), its stderr in a file; ``url``, ``proc``, ``stderr()``."""
     d = tmp_path_factory.mktemp("replicas")
     cfg = d / "keys.toml"
@@ -118,7 +118,7 @@ def replicas_server(tmp_path_factory):
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, err_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "batch serve --replicas 2 did not start in 120 s"
+            assert time.monotonic() < deadline, "batch-llm serve --replicas 2 did not start in 120 s"
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -477,7 +477,7 @@ def test_a_stream_its_caller_stops_reading_is_aborted_on_its_replica(handle):
 
 @pytest.fixture(scope="module")
 def ingress(handle):
-    """The HTTP ``Ingress`` over the module's replicas (``batch serve --replicas N``'s); its URL."""
+    """The HTTP ``Ingress`` over the module's replicas (``batch-llm serve --replicas N``'s); its URL."""
     serve.run(Ingress.bind(handle, metrics_board=handle.board, metrics_period_s=METRICS_PERIOD_S,
                            max_body_bytes=INGRESS_MAX_BODY_BYTES, kv_cap_blocks=KV_CAP_BLOCKS,
                            identities=Identities(trust_user_field=True)),  # the body's user is the identity

@@ -53,12 +53,12 @@ logger = logging.getLogger(__name__)
 USER_KEY = "user"
 #: The identity every request without a user shares.
 DEFAULT_USER = "anonymous"
-#: A users file in ``batch serve``'s format (``weights``, ``api_keys``; JSON, or TOML by suffix).
+#: A users file in ``batch-llm serve``'s format (``weights``, ``api_keys``; JSON, or TOML by suffix).
 CONFIG_ENV = "BATCH_USERS_CONFIG"
 #: ``VTCPolicy``'s tolerance band, weighted tokens (default ``fairness_rules.TOLERANCE_TOKENS``).
 TOLERANCE_ENV = "BATCH_TOLERANCE_TOKENS"
 #: Set to 1 to let ``UserMiddleware`` take the body's ``user`` field when no keys are configured
-#: (as ``batch serve --trust-user-field``: only behind a gateway that sets it).
+#: (as ``batch-llm serve --trust-user-field``: only behind a gateway that sets it).
 TRUST_USER_FIELD_ENV = "BATCH_TRUST_USER_FIELD"
 _new_prompt, _high_water = fast(fr.new_prompt_tokens), fast(fr.prompt_high_water)
 _sit_out_allowed, _within_share = fast(fr.sit_out_allowed), fast(fr.within_share)  # plain-int forms: every step
