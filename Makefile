@@ -45,9 +45,9 @@ $(BENCH_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 run: $(RUN_STAMP)
 	$(BIN)/python -m batch $(ARGS)
 
-# The HTTP server on the simulated GPU in real time (batch serve; ARGS="--port 9000 --time-scale 0.1").
+# The HTTP server on the simulated GPU in real time (batch-llm serve; ARGS="--port 9000 --time-scale 0.1").
 serve: $(SERVE_STAMP)
-	$(BIN)/batch serve --port 8000 $(ARGS)
+	$(BIN)/batch-llm serve --port 8000 $(ARGS)
 
 # Every test, each in the environment it needs: .venv with every extra (the Ray tests included)
 # runs all but the tests marked vllm, .venv-vllm runs those. BATCH_REQUIRE_ALL=1 makes a test that
@@ -88,18 +88,24 @@ bench-cold: $(RUN_STAMP)
 
 # Batch beside vLLM's own V1 scheduler on one simulated clock (bench/vllm_compare.py; ARGS="--traces DIR").
 # Its own venv, .venv-vllm (about 2 minutes and 2.2 GB, no GPU), which `make test` also builds and
-# `make run` never touches; nothing of it is installed into .venv. Recipe: ../shared/guides/vllm-comparison.md.
-$(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt
+# `make run` never touches; nothing of it is installed into .venv. Recipe: bench/requirements-vllm.txt;
+# it also installs what `vllm serve` imports and this checkout (--no-deps -e), for
+# `vllm serve --scheduler-cls batch.integrations.vllm.AsyncFairScheduler` (docs/vllm-plugin.md).
+# vllm and xgrammar go in with --no-deps, so pip's resolver then lists their ~45 unmet requirements
+# as errors; tools/pip_install.py prints one note line in their place (the list: in .venv-vllm).
+$(VLLM_STAMP): bench/requirements-vllm.txt bench/requirements-vllm-nodeps.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) $$(grep -E '^torch==' bench/requirements-vllm.txt)
 	$(VLLM_PIP) --no-deps -r bench/requirements-vllm-nodeps.txt
-	$(VLLM_PIP) -r bench/requirements-vllm.txt
+	$(VLLM_VENV)/bin/python tools/pip_install.py --no-deps-file bench/requirements-vllm-nodeps.txt \
+	  --log $(VLLM_VENV)/pip-unmet-requirements.txt -- $(VLLM_PIP) -r bench/requirements-vllm.txt
+	$(VLLM_PIP) --no-deps -e .
 	touch $@
 
 # Both clocks: the stub's and an H100's (batch.sim.gpu_profile); the load sweep writes
 # docs/img/vllm-load-sweep.png; then the GPU model's calibration against its published figures.
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm --fcfs --gpu stub,h100-llama3-8b --load-sweep $(ARGS)
+	$(VLLM_VENV)/bin/python bench/vllm_compare.py --fair-vllm --async-vllm --fcfs --gpu stub,h100-llama3-8b --load-sweep $(ARGS)
 	$(VLLM_VENV)/bin/python bench/vllm_prefix_compare.py --gpu stub,h100-llama3-8b
 	$(VLLM_VENV)/bin/python bench/gpu_calibration.py
 

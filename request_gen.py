@@ -1,8 +1,8 @@
 """Workloads: the contract's Poisson ``stream``.
 
 ``stream`` is the import contract. The loader for real production traces lives in
-``batch.sim.traces`` (the traces folder is ``$BATCH_TRACES_DIR``, else ``../shared/traces``
-beside the checkout); ``load_trace`` and ``resolve_trace`` are importable from here as before.
+``batch.sim.traces`` (the traces folder is ``$BATCH_TRACES_DIR``, else ``data/traces`` in the
+checkout); ``load_trace`` and ``resolve_trace`` are importable from here as before.
 """
 from __future__ import annotations
 

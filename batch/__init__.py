@@ -11,5 +11,18 @@ The contract modules stay at the project root (``scheduler``, ``inference_stub``
 * ``batch.cli``: the main job's command line (``python -m batch``, ``batch-sim``).
 
 Nothing is imported here: ``import scheduler`` needs only the standard library and
-``transitions``, and each sub-package imports no more than its modules ask for.
+``transitions``, and each sub-package imports no more than its modules ask for. ``batch.__version__``
+is looked up when first read (``batch.version``: the installed distribution's, else
+``pyproject.toml``'s).
 """
+from __future__ import annotations
+
+__version__: str  # declared, not set: __getattr__ answers it on first read
+
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":
+        from batch.version import version  # noqa: PLC0415 - only when asked for
+
+        return version()
+    raise AttributeError(f"module 'batch' has no attribute {name!r}")

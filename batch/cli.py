@@ -12,7 +12,7 @@
                                                          # on an H100's clock with vLLM's limits for it
 
 Installed, the same command is ``batch-sim``. A ``--trace`` given by file name is looked up in
-``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the checkout
+``--trace-dir``, else ``$BATCH_TRACES_DIR``, else ``data/traces`` in the checkout
 (``batch.sim.traces``). The replay, the metrics table and the JSON are ``batch.sim.simulate``'s.
 
 Prefix caching (``Scheduler(prefix_caching=True)``, ``docs/prefix-caching.md``) is on by default for
@@ -47,6 +47,7 @@ from batch.core import goodput, metrics
 from batch.sim import gpu_profile, traces
 from batch.sim.simulate import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, POLICIES, format_metrics, json_metrics,
                                 run_workload)
+from batch.version import version
 from scheduler import Scheduler
 
 
@@ -98,14 +99,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "batch") -> int:
 
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
-        prog: the program's name in ``--help`` and in error lines (``batch sim`` names the
+        prog: the program's name in ``--help`` and in error lines (``batch-llm sim`` names the
             subcommand).
 
     Raises:
         SystemExit: status 2 with one ``batch: error: ...`` line on stderr and nothing else for a
             bad argument: an unknown option or a bad value; a ``--trace`` that is missing, a
             directory, unreadable, or has a malformed row (a non-number, a nan / inf / negative
-            ``arrival_s``); a ``--model`` that is not a checkpoint directory; a ``--device`` that
+            ``arrival_s``, a token count < 1: no request could have it); a ``--model`` that is not a checkpoint directory; a ``--device`` that
             is not a torch device name or that this machine lacks; ``--backend model`` without
             the ``model`` extra.
     """
@@ -124,7 +125,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                                    "traces folder)")
     p.add_argument("--trace-dir", default=None,
                    help=f"the traces folder a bare --trace name is looked up in (default ${traces.TRACES_ENV}, "
-                        "else ../shared/traces beside the checkout)")
+                        "else data/traces in the checkout)")
     p.add_argument("--limit", type=_count(0), default=None,
                    help="first N trace rows only (0: nothing to run, exit 0)")
     p.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply trace arrival offsets by this")
@@ -145,6 +146,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                         "off otherwise); the metrics then carry the prefix-cache hit rate")
     p.add_argument("--max-running", type=_count(1), default=None, help="most resident requests (default 256)")
     p.add_argument("--token-budget", type=_count(1), default=None, help="tokens per iteration (default: cache size)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                   help="print the version (pyproject.toml's) and exit")
     p.add_argument("--no-progress", action="store_true",
                    help="hide the progress bar (shown on stderr, when it is a terminal, once a run lasts 2 s)")
     p.add_argument("--gpu", choices=("stub", *gpu_profile.names()), default="stub",

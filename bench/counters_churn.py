@@ -3,7 +3,7 @@
 sync and idle from then on; the actor's resident memory (RSS) and user count at start, after a
 warm-up, and after the N users.
 
-What it drives: the counters actor itself, made as ``batch serve --replicas N`` makes it
+What it drives: the counters actor itself, made as ``batch-llm serve --replicas N`` makes it
 (``batch.scaleout.ray_serve._counters_actor``: ``CountersActor``, i.e. ``GlobalCounters`` as a
 Ray actor, with ``forget_idle=POLICY_FORGETS`` and the replicas' tolerance) on a local Ray
 instance, called the way each ``EngineReplica`` calls it (``_sync_once``): ``reply(replica)`` at

@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                             "checkout or bare git directory, then exit")
     p.add_argument("--seeds", type=int, default=5, help="draws of the 200 ShareGPT prompts for the throughput check "
                                                         "(default 5; 0 skips it)")
-    p.add_argument("--traces", default=None, help="the traces folder (default: $BATCH_TRACES_DIR, else ../shared/traces)")
+    p.add_argument("--traces", default=None, help="the traces folder (default: $BATCH_TRACES_DIR, else data/traces in the repository)")
     a = p.parse_args(argv)
     if a.extract:
         print(f"wrote {extract(Path(a.extract))} rows to {MLP_CSV.relative_to(ROOT)}")

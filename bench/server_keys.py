@@ -6,7 +6,7 @@ its own key would have it).
 * **key check**: ``Identities.check_key`` (the bearer header parsed, the key hashed, its digest
   looked up) in this process, on a ring of ``--keys`` keys: the mean over many calls, for a
   configured key and for made-up ones.
-* **memory**: ``batch serve`` started twice, with a config without keys and with the ``--keys``
+* **memory**: ``batch-llm serve`` started twice, with a config without keys and with the ``--keys``
   keys (each in its own process, a short warm-up of requests each); the resident memory (RSS,
   ``/proc``) of each, the difference and the bytes per key; then ``--active`` distinct keyed users
   send one request each and the RSS is read again (per-user state is made when a user is active:
@@ -74,7 +74,7 @@ def key_check_us(keys: dict[str, str], n: int = 20_000) -> tuple[float, float]:
 
 
 class Server:
-    """``batch serve --config CONFIG`` in its own process on a free port."""
+    """``batch-llm serve --config CONFIG`` in its own process on a free port."""
 
     def __init__(self, config: Path, args: list[str]) -> None:
         self.port = _free_port()
@@ -91,7 +91,7 @@ class Server:
             except httpx.HTTPError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.proc.kill()
-                    raise RuntimeError(f"batch serve did not start: {self.proc.stderr.read()}") from None
+                    raise RuntimeError(f"batch-llm serve did not start: {self.proc.stderr.read()}") from None
                 time.sleep(0.2)
 
     def rss_mb(self) -> float:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--active", type=int, default=5000, help="keyed users that send one request each")
     p.add_argument("--warmup", type=int, default=500, help="requests sent to each server before its first reading")
     p.add_argument("--scrapes", type=int, default=30)
-    p.add_argument("--server-args", default="", help="more batch serve arguments (one string)")
+    p.add_argument("--server-args", default="", help="more batch-llm serve arguments (one string)")
     a = p.parse_args(argv)
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs at the start", flush=True)

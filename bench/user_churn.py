@@ -8,7 +8,7 @@ long streams open throughout, so that someone is always waiting: a user's per-us
 be forgotten when the lift would give it back on return, which needs a backlog to be lifted
 against (docs/fairness.md; docs/scale-out.md, "Forgetting idle users").
 
-The server is started here (``batch serve`` in its own process, ``--server-args`` appended), or
+The server is started here (``batch-llm serve`` in its own process, ``--server-args`` appended), or
 given (``--base-url``). Memory is read from ``/metrics``: ``process_resident_memory_bytes`` of the
 server (single process); with ``--replicas N`` the sum over the replicas (their own series, pushed
 every second) and the counters actor's ``batch:counter_store_resident_memory_bytes``, with the
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32, help="users in flight at once (default 32)")
     p.add_argument("--background", type=int, default=4, help="streams of a heavy user kept open (default 4)")
     p.add_argument("--base-url", default=None, help="a running server (default: start one here)")
-    p.add_argument("--replicas", type=int, default=1, help="start batch serve --replicas N (default 1)")
+    p.add_argument("--replicas", type=int, default=1, help="start batch-llm serve --replicas N (default 1)")
     p.add_argument("--time-scale", type=float, default=0.05, help="the started server's --time-scale (default 0.05)")
     p.add_argument("--server-args", default="", help="more arguments for the started server")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

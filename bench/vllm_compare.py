@@ -34,6 +34,10 @@ recorded length. Two clocks (``--gpu``, comma-separated; ``make bench-vllm`` run
   ``Scheduler`` subclassed: Batch's ``VTCPolicy()`` orders admission, charges users, picks
   victims, isolates light users' first prefills; ``docs/vllm-plugin.md``), with ``--fair-vllm``
   (``make bench-vllm`` passes it).
+* vLLM async and vLLM+Batch async, with ``--async-vllm``: vLLM's ``AsyncScheduler`` (async
+  scheduling, vLLM's default) and ``batch.integrations.vllm.AsyncFairScheduler``, driven as
+  vLLM's engine core drives them: the next step is scheduled while the last one runs, its
+  requests' decodes on placeholders, and each output is processed when its step ends.
 
 Metrics come from per-request timestamps this harness records, with one definition for both
 (nothing is read from either scheduler's own statistics but the preemption count):
@@ -75,8 +79,8 @@ Usage, from the repository root::
     python bench/vllm_compare.py --batch-only               # no vllm needed: Batch's side only
 
 Traces: CSV files ``arrival_s,prompt_tokens,output_tokens,user`` in ``--traces DIR``, else the
-``anchors/`` folder of the traces folder (``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside
-the checkout; ``batch.sim.traces``), else ``$BATCH_TRACES_DIR`` itself when it has no ``anchors/``.
+``anchors/`` folder of the traces folder (``$BATCH_TRACES_DIR``, else ``data/traces`` in the
+checkout; ``batch.sim.traces``), else ``$BATCH_TRACES_DIR`` itself when it has no ``anchors/``.
 """
 from __future__ import annotations
 
@@ -90,6 +94,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -232,8 +237,8 @@ class TraceRequest:
 
 def traces_dir(arg: str | os.PathLike | None = None) -> Path:
     """The anchor traces' folder: ``arg`` if given, else ``anchors/`` in the traces folder
-    (``batch.sim.traces.traces_dir()``: ``$BATCH_TRACES_DIR``, else ``../shared/traces`` beside the
-    checkout); a ``$BATCH_TRACES_DIR`` with no ``anchors/`` inside is taken as the anchors' folder."""
+    (``batch.sim.traces.traces_dir()``: ``$BATCH_TRACES_DIR``, else ``data/traces`` in the checkout);
+    a ``$BATCH_TRACES_DIR`` with no ``anchors/`` inside is taken as the anchors' folder."""
     if arg:
         return Path(arg)
     base = traces.traces_dir()
@@ -472,6 +477,7 @@ def _vllm():
             from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig,  # noqa: PLC0415
                                      VllmConfig)
             from vllm.sampling_params import SamplingParams  # noqa: PLC0415
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VAsyncScheduler  # noqa: PLC0415
             from vllm.v1.core.sched.scheduler import Scheduler as VScheduler  # noqa: PLC0415
             from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: PLC0415
                                                     KVCacheGroupSpec)
@@ -485,10 +491,12 @@ def _vllm():
     return _VLLM_CACHE["mods"]
 
 
-def _vllm_config(threshold: int, clock: Clock = STUB, prefix_caching: bool = False):
+def _vllm_config(threshold: int, clock: Clock = STUB, prefix_caching: bool = False, async_scheduling: bool = False):
     """A ``VllmConfig`` for a tiny Llama (config.json only, in a temp dir kept for the process) with
-    ``clock``'s limits: ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, block size."""
-    key = f"config/{threshold}/{clock.name}/{clock.max_num_batched_tokens}/{clock.max_num_seqs}/{prefix_caching}"
+    ``clock``'s limits (``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, block size) and
+    vLLM's async scheduling on or off (``--no-async-scheduling``)."""
+    key = (f"config/{threshold}/{clock.name}/{clock.max_num_batched_tokens}/{clock.max_num_seqs}/{prefix_caching}/"
+           f"{async_scheduling}")
     if key in _VLLM_CACHE:
         return _VLLM_CACHE[key]
     v = _vllm()
@@ -503,7 +511,8 @@ def _vllm_config(threshold: int, clock: Clock = STUB, prefix_caching: bool = Fal
                           max_model_len=clock.max_model_len)
     sched = v.SchedulerConfig(max_model_len=clock.max_model_len, is_encoder_decoder=False,
                               max_num_batched_tokens=clock.max_num_batched_tokens, max_num_seqs=clock.max_num_seqs,
-                              long_prefill_token_threshold=threshold, enable_chunked_prefill=True)
+                              long_prefill_token_threshold=threshold, enable_chunked_prefill=True,
+                              async_scheduling=async_scheduling)
     cache = v.CacheConfig(block_size=clock.block_tokens, enable_prefix_caching=prefix_caching)
     cfg = v.VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                        device_config=v.DeviceConfig(device="cpu"))
@@ -514,10 +523,11 @@ def _vllm_config(threshold: int, clock: Clock = STUB, prefix_caching: bool = Fal
 def make_vllm_scheduler(threshold: int = CHUNK_TOKENS, cls=None, clock: Clock = STUB, prefix_caching: bool = False,
                         log_stats: bool = False, **kwargs):
     """vLLM's V1 ``Scheduler`` (or its subclass ``cls``, given ``kwargs`` besides vLLM's) with
-    ``clock``'s cache (one full-attention group of ``kv_blocks`` blocks) and limits."""
+    ``clock``'s cache (one full-attention group of ``kv_blocks`` blocks) and limits; async scheduling
+    on when ``cls`` is an ``AsyncScheduler``, off otherwise."""
     v = _vllm()
     cls = cls or v.VScheduler
-    cfg = _vllm_config(threshold, clock, prefix_caching)
+    cfg = _vllm_config(threshold, clock, prefix_caching, issubclass(cls, v.VAsyncScheduler))
     cfg.cache_config.num_gpu_blocks = clock.kv_blocks
     kv = v.KVCacheConfig(num_blocks=clock.kv_blocks, kv_cache_tensors=[], kv_cache_groups=[
         v.KVCacheGroupSpec(["layer.0"], v.FullAttentionSpec(block_size=clock.block_tokens, num_kv_heads=2,
@@ -535,13 +545,47 @@ def make_fair_scheduler(threshold: int = CHUNK_TOKENS, policy=None, clock: Clock
                                fair_policy=policy if policy is not None else VTCPolicy(), **kwargs)
 
 
+def make_async_vllm_scheduler(threshold: int = CHUNK_TOKENS, clock: Clock = STUB):
+    """vLLM's ``AsyncScheduler`` (async scheduling, vLLM's default), set up as ``make_vllm_scheduler``."""
+    return make_vllm_scheduler(threshold, _vllm().VAsyncScheduler, clock=clock)
+
+
+def make_async_fair_scheduler(threshold: int = CHUNK_TOKENS, policy=None, clock: Clock = STUB):
+    """vLLM's ``AsyncScheduler`` with Batch's fairness: ``batch.integrations.vllm.AsyncFairScheduler``
+    (``policy``: its ``fair_policy``, default ``VTCPolicy()``), set up as ``make_vllm_scheduler``."""
+    from batch.integrations.vllm import AsyncFairScheduler  # noqa: PLC0415
+    from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+    return make_vllm_scheduler(threshold, AsyncFairScheduler, clock=clock,
+                               fair_policy=policy if policy is not None else VTCPolicy())
+
+
+def fake_forward(sched, out, token_at: Callable[[object], int]) -> list[list[int]]:
+    """The fake model runner's sampled tokens for ``out``, decided when ``out`` is scheduled (the
+    step it runs): one token for each request whose (re)prefill this step completes, none in the
+    middle of one, as vLLM's model runner does (``Request.is_prefill_chunk`` after ``schedule()``;
+    under async scheduling a decode scheduled on a placeholder samples too). ``token_at(request)``
+    is the token to sample."""
+    reqs = sched.requests
+    return [[] if reqs[rid].is_prefill_chunk else [token_at(reqs[rid])] for rid in out.num_scheduled_tokens]
+
+
 def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: int = CHUNK_TOKENS,
-             name: str = "vLLM", make: Callable[..., object] | None = None, clock: Clock = STUB) -> Run:
+             name: str = "vLLM", make: Callable[..., object] | None = None, clock: Clock = STUB,
+             on_schedule: Callable[[object], None] | None = None) -> Run:
     """Replay ``reqs`` through vLLM's V1 scheduler on the simulated clock (same loop as Batch's);
     ``make(threshold)`` builds the scheduler (``make(threshold, clock=clock)`` on a clock other than
     ``STUB``; default ``make_vllm_scheduler``). Each
     request's user travels in ``sampling_params.extra_args["user"]`` (vLLM's own scheduler ignores it).
     An iteration costs ``clock.step_s`` of what vLLM scheduled (``vllm_items``).
+
+    The loop is vLLM's engine core's: up to ``vllm_config.max_concurrent_batches`` steps in flight
+    (1 for the synchronous ``Scheduler``: ``EngineCore.step``; 2 with async scheduling:
+    ``step_with_batch_queue``, which schedules the next step before the last one's output is
+    processed). A step runs on the simulated GPU from the later of its scheduling and the end of
+    the step before it; its output is processed (``update_from_output``) at its end. Arrivals are
+    handed to the scheduler when ``schedule()`` is called. The fake forward samples the EOS token
+    at the request's recorded output length (by the sampled token's position), and timings come
+    from the outputs vLLM delivers. ``on_schedule(scheduler_output)`` sees every step.
 
     Raises:
         VLLMUnavailable: vllm cannot be imported.
@@ -552,6 +596,7 @@ def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: 
         sched = make_vllm_scheduler(threshold, clock=clock)
     else:  # a caller's factory takes the clock only off the stub (the plugin tests' take the threshold alone)
         sched = make(threshold) if clock is STUB else make(threshold, clock=clock)
+    depth = sched.vllm_config.max_concurrent_batches
     pending = sorted(reqs, key=lambda r: 0.0 if at_once else r.arrival_s)
     nominal = {r.rid: 0.0 if at_once else r.arrival_s for r in reqs}
     out_len = {r.rid: r.output_tokens for r in reqs}
@@ -561,10 +606,15 @@ def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: 
     produced: dict[str, int] = {}
     vreqs = []
     timings: list[Timing] = []
-    now, i, steps, cpu = 0.0, 0, 0, 0.0
+    inflight: deque = deque()  # (scheduler output, model runner output, end of its step on the GPU)
+    now, gpu_free, i, steps, cpu = 0.0, 0.0, 0, 0, 0.0
     counts = {"busy_steps": 0, "scheduled_tokens": 0, "scheduled_seqs": 0}
+
+    def token_at(vr) -> int:  # the sampled token's 1-based output index from its position
+        return VLLM_EOS if vr.num_computed_tokens - vr.num_prompt_tokens + 1 >= out_len[vr.request_id] else VLLM_TOKEN
+
     wall = time.perf_counter()
-    while i < len(pending) or sched.has_unfinished_requests():
+    while i < len(pending) or sched.has_unfinished_requests() or inflight:
         while i < len(pending) and nominal[pending[i].rid] <= now:
             r = pending[i]
             sp = v.SamplingParams(max_tokens=r.output_tokens, ignore_eos=False, extra_args={"user": r.user})
@@ -575,41 +625,44 @@ def run_vllm(reqs: Sequence[TraceRequest], *, at_once: bool = False, threshold: 
             sched.add_request(vr)  # not counted: Batch's submit is not either
             submit[r.rid] = now
             i += 1
-        if not sched.has_unfinished_requests():
+        if sched.has_unfinished_requests():
+            t = _cpu()
+            out = sched.schedule()
+            cpu += _cpu() - t
+            steps += 1
+            if on_schedule is not None:
+                on_schedule(out)
+            ids = list(out.num_scheduled_tokens)
+            mro = v.ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: j for j, rid in enumerate(ids)},
+                                      sampled_token_ids=fake_forward(sched, out, token_at))
+            if ids:
+                gpu_free = max(now, gpu_free) + clock.step_s(vllm_items(sched, out))
+                count_step(counts, out)
+            inflight.append((out, mro, gpu_free if ids else now))
+            if ids and len(inflight) < depth:
+                continue  # the engine schedules the next step before waiting on this one
+        elif not inflight:
             now = max(now, nominal[pending[i].rid])  # idle: skip to the next arrival
             continue
+        out, mro, end = inflight.popleft()
+        now = max(now, end)
         t = _cpu()
-        out = sched.schedule()
+        delivered = sched.update_from_output(out, mro)
         cpu += _cpu() - t
-        steps += 1
-        ids = list(out.num_scheduled_tokens)
-        if ids:
-            now += clock.step_s(vllm_items(sched, out))
-            count_step(counts, out)
-        elif i < len(pending):  # nothing runnable yet: wait for the next arrival
-            now = max(now, nominal[pending[i].rid])
-        else:
-            raise RuntimeError(f"{name}: vLLM scheduled nothing with {sched.get_num_unfinished_requests()} "
-                               f"requests unfinished and none left to arrive")
-        # The fake forward: a token for each request whose (re)prefill is complete after this step.
-        sampled: list[list[int]] = []
-        for rid in ids:
-            vr = sched.requests[rid]
-            if vr.num_computed_tokens >= vr.num_tokens:
-                k = produced.get(rid, 0) + 1
-                produced[rid] = k
-                sampled.append([VLLM_EOS if k >= out_len[rid] else VLLM_TOKEN])
-                first.setdefault(rid, now)
-                if k >= out_len[rid]:
-                    m = meta[rid]
-                    timings.append(Timing(rid, m.user, nominal[rid], submit[rid], first[rid], now, k))
-            else:
-                sampled.append([])
-        mro = v.ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: j for j, rid in enumerate(ids)},
-                                  sampled_token_ids=sampled)
-        t = _cpu()
-        sched.update_from_output(out, mro)
-        cpu += _cpu() - t
+        for eco in delivered.values():
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    first.setdefault(o.request_id, now)
+                    produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    m = meta[o.request_id]
+                    timings.append(Timing(o.request_id, m.user, nominal[o.request_id], submit[o.request_id],
+                                          first[o.request_id], now, produced[o.request_id]))
+        if not out.num_scheduled_tokens and not inflight and sched.has_unfinished_requests():
+            if i >= len(pending):  # nothing runnable, nothing in flight, nothing left to arrive
+                raise RuntimeError(f"{name}: vLLM scheduled nothing with {sched.get_num_unfinished_requests()} "
+                                   f"requests unfinished and none left to arrive")
+            now = max(now, nominal[pending[i].rid])  # nothing runnable yet: wait for the next arrival
     wall = time.perf_counter() - wall
     _check_complete(name, reqs, timings)
     left = [vr.request_id for vr in vreqs if not vr.is_finished()]
@@ -1138,7 +1191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces", default=None, help=f"folder of trace CSVs (default: anchors/ in ${TRACES_ENV}, "
-                                                  f"else ../shared/traces/anchors beside the checkout)")
+                                                  f"else data/traces/anchors in the checkout)")
     p.add_argument("--only", default=None, help="comma-separated trace file names (or stems) to run")
     p.add_argument("--batch-only", action="store_true", help="Batch's side only (no vllm needed)")
     p.add_argument("--fcfs", action="store_true", help="also Batch with policy.FCFSPolicy() (arrival order)")
@@ -1148,6 +1201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fair-vllm", action="store_true",
                    help="also vLLM+Batch: vLLM's Scheduler subclassed by batch.integrations.vllm.FairScheduler "
                         "(make bench-vllm passes it)")
+    p.add_argument("--async-vllm", action="store_true",
+                   help="also vLLM's AsyncScheduler (async scheduling, vLLM's default: one step ahead of the output) "
+                        "and, with --fair-vllm, batch.integrations.vllm.AsyncFairScheduler (make bench-vllm passes it)")
     p.add_argument("--vllm-threshold", type=int, default=CHUNK_TOKENS,
                    help="on the stub clock: vLLM's long_prefill_token_threshold (default 64, Batch's chunk; 0: "
                         "vLLM's default, none)")
@@ -1244,15 +1300,31 @@ def stub_section(a: argparse.Namespace, files: Sequence[Path], folder: Path) -> 
             def run_f(reqs, **kw):
                 return run_vllm(reqs, threshold=a.vllm_threshold, name=fname, make=make_fair_scheduler, **kw)
             runners.append((fname, run_f))
+        if a.async_vllm:
+            aname = f"vLLM async (thr {a.vllm_threshold})"
+
+            def run_a(reqs, **kw):
+                return run_vllm(reqs, threshold=a.vllm_threshold, name=aname, make=make_async_vllm_scheduler, **kw)
+            runners.append((aname, run_a))
+            if a.fair_vllm:
+                afname = f"vLLM+Batch async (thr {a.vllm_threshold})"
+
+                def run_af(reqs, **kw):
+                    return run_vllm(reqs, threshold=a.vllm_threshold, name=afname, make=make_async_fair_scheduler,
+                                    **kw)
+                runners.append((afname, run_af))
 
     print(f"Simulated clock: {BASE_S * 1e3:g} ms + {PER_REQUEST_S * 1e3:g} ms per scheduled request per step; "
           f"KV {KV_BLOCKS} blocks x {BLOCK_TOKENS} tokens; EOS at each request's recorded output length; "
-          f"traces from {folder}")
+          f"traces from {traces.shown_path(folder)}")
     print(f"Limits on both sides: max_num_seqs = Batch max_running = {VLLM_MAX_SEQS}, max_num_batched_tokens = "
           f"Batch token_budget_tokens = {VLLM_MAX_BATCHED_TOKENS}")
     if not a.batch_only:
         print(f"vLLM V1 Scheduler: long_prefill_token_threshold={a.vllm_threshold}, block_size {BLOCK_TOKENS}, "
               f"{KV_BLOCKS} blocks, prefix caching off, CPU")
+        if a.async_vllm:
+            print("vLLM async: AsyncScheduler with async scheduling on, driven as vLLM's engine core does (two steps "
+                  "in flight: the next step is scheduled before the last one's output is processed)")
     print("TTFT and e2e from each request's nominal arrival; sched CPU = the scheduler's own code per step, "
           "fake forward excluded")
     equal = not a.no_equal_demand

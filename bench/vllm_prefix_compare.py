@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_prefix_compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces", default=None, help=f"the traces folder (default ${traces.TRACES_ENV}, else "
-                                                  "../shared/traces beside the checkout)")
+                                                  "data/traces in the checkout)")
     p.add_argument("--only", default=None, help="comma-separated trace names (or parts of them: conversation)")
     p.add_argument("--limit", type=int, default=None,
                    help=f"first N rows of each trace (default {LIMIT} on the stub clock, {GPU_LIMIT} on a GPU clock)")

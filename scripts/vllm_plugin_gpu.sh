@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Batch's fairness inside a real vLLM server on a GPU (docs/vllm-plugin.md): a small model under
 # `vllm serve` twice, first with vLLM's own scheduler, then with
-# `--scheduler-cls batch.integrations.vllm.FairScheduler` and the user middleware, and each time
-# the A/B burst over HTTP with `batch bench-serve --ab-burst` (B's median TTFT with A over B alone).
+# `--scheduler-cls batch.integrations.vllm.AsyncFairScheduler` and the user middleware, both with
+# async scheduling on (vLLM's default), and each time
+# the A/B burst over HTTP with `batch-llm bench-serve --ab-burst` (B's median TTFT with A over B alone).
 #
 #   scripts/vllm_plugin_gpu.sh                      # defaults below
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct SEEDS=4,5,6 PORT=8011 scripts/vllm_plugin_gpu.sh
 #
 # Needs: an NVIDIA GPU, network access for pip and the model (or MODEL= a local folder), Python 3.11.
 # It makes its own venv ($VENV) with vLLM 0.33.0's CUDA wheel and this checkout (--no-deps).
-# Written without a GPU: it has not been run yet (docs/vllm-plugin.md, "Status").
+# Written without a GPU (issues 29, 42): it has not been run yet (docs/vllm-plugin.md, "Status").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +44,7 @@ run_one() {  # $1: label, the rest: extra vllm serve flags
   local label=$1; shift
   local log="$OUT/serve-$label.log"
   "$VENV/bin/vllm" serve "$MODEL" --port "$PORT" --max-model-len "$MAX_MODEL_LEN" \
-      --no-async-scheduling --no-enable-prefix-caching "$@" >"$log" 2>&1 &
+      --no-enable-prefix-caching "$@" >"$log" 2>&1 &
   local pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
   wait_ready "$pid" "$log"
@@ -55,6 +56,6 @@ run_one() {  # $1: label, the rest: extra vllm serve flags
 
 run_one vllm
 export BATCH_TRUST_USER_FIELD=1  # bench-serve names its users A and B in the body's user field
-run_one fair --scheduler-cls batch.integrations.vllm.FairScheduler \
+run_one fair --scheduler-cls batch.integrations.vllm.AsyncFairScheduler \
              --middleware batch.integrations.vllm.UserMiddleware
 grep -H "" "$OUT"/ab-*.txt

@@ -24,7 +24,7 @@ scheduler.CHECK_INVARIANTS = True
 
 #: ``make test`` (and so CI, ``.ci/run``) sets ``BATCH_REQUIRE_ALL=1``: every test runs, and one
 #: that would be skipped (a missing extra such as ``scaleout`` or ``model``, vllm outside
-#: ``.venv-vllm``, no traces folder) fails instead, naming what is missing. Without it, such a
+#: ``.venv-vllm``) fails instead, naming what is missing. Without it, such a
 #: test is skipped with that reason (``make test-fast``, a bare ``pytest``).
 REQUIRE_ALL = os.environ.get("BATCH_REQUIRE_ALL") == "1"
 #: A skip reason starting with this is allowed under ``BATCH_REQUIRE_ALL``: the test cannot apply
@@ -47,8 +47,7 @@ def _required_skip_as_failure(rep) -> None:
         return
     rep.outcome = "failed"
     rep.longrepr = (f"skipped, but BATCH_REQUIRE_ALL=1 (make test, CI) requires every test to run: {reason}\n"
-                    "make test installs every extra and .venv-vllm; the traces folder is $BATCH_TRACES_DIR, "
-                    "else ../shared/traces beside the checkout")
+                    "make test installs every extra and .venv-vllm")
 
 
 @pytest.hookimpl(hookwrapper=True)

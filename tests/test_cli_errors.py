@@ -94,6 +94,27 @@ def test_load_trace_refuses_an_arrival_that_time_scale_makes_infinite(tmp_path):
         traces.load_trace(path, time_scale=10.0)
 
 
+@pytest.mark.parametrize("row, shown", [("1,0,5,", "prompt_tokens=0"), ("1,10,0,", "output_tokens=0"),
+                                        ("1,0,0,", "prompt_tokens=0, output_tokens=0")])
+def test_load_trace_refuses_a_row_no_request_could_have(tmp_path, row, shown):
+    # An empty prompt or a request for no token loaded, and every such request was then refused
+    # at submit: the run exited 0 with a table of zeros. Now the loader names the file and line.
+    path = write_trace(tmp_path, row, name="zeros.csv")
+    with pytest.raises(ValueError, match=rf"zeros.csv: line 4: no request can have this row.*{shown}"):
+        traces.load_trace(path)
+
+
+@pytest.mark.parametrize("field", ["input_length", "output_length"])
+def test_load_mooncake_refuses_a_zero_length(tmp_path, field):
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [0]}'
+    row = {"input_length": '{"timestamp": 5, "input_length": 0, "output_length": 5, "hash_ids": []}',
+           "output_length": '{"timestamp": 5, "input_length": 10, "output_length": 0, "hash_ids": [0]}'}[field]
+    path = tmp_path / "zeros.jsonl"
+    path.write_text(good + "\n" + row + "\n")
+    with pytest.raises(ValueError, match=rf"zeros.jsonl: line 2: .*lengths >= 1.*{field}=0"):
+        traces.load_trace(path)
+
+
 @pytest.mark.parametrize("time_scale", [math.nan, math.inf])
 def test_load_trace_refuses_non_finite_time_scale(tmp_path, time_scale):
     path = write_trace(tmp_path, "1,10,5,")
@@ -140,6 +161,11 @@ def test_cli_trace_with_bad_arrival_is_one_line_error(tmp_path, value):
 def test_cli_trace_with_negative_token_count_is_one_line_error(tmp_path):
     path = write_trace(tmp_path, "1,-3,5,")  # was read as an empty prompt and run
     assert_one_line_error(run_cli("--trace", str(path)), "line 4", "prompt_tokens=-3")
+
+
+def test_cli_trace_with_a_zero_token_count_is_one_line_error(tmp_path):
+    path = write_trace(tmp_path, "1,0,5,")  # was run: every request refused, a table of zeros, exit 0
+    assert_one_line_error(run_cli("--trace", str(path)), "line 4", "prompt_tokens=0")
 
 
 def test_cli_trace_directory_is_one_line_error(tmp_path):
@@ -194,7 +220,7 @@ def test_the_batch_sim_subcommand_names_itself_in_its_one_error_line(capsys):
     with pytest.raises(SystemExit) as e:
         commands.main(["sim", "--bogus"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == "batch sim: error: unrecognized arguments: --bogus\n"
+    assert e.value.code == 2 and err == "batch-llm sim: error: unrecognized arguments: --bogus\n"
 
 
 def test_help_still_prints_the_usage_under_the_name_batch():

@@ -2,8 +2,8 @@
 prefix caching, and VTC's charge for a cached prompt token (the same as for a computed one:
 ``docs/prefix-caching.md`` says why).
 
-The Mooncake rows are built here (a few lines of JSON in ``tmp_path``); the tests on the shared
-traces skip without the traces folder (and fail under ``BATCH_REQUIRE_ALL``, ``tests/conftest.py``).
+The Mooncake rows are built here (a few lines of JSON in ``tmp_path``), beside tests on the
+repository's traces (``data/traces``).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import bench_fairness as bf
 from batch import cli, commands
 from batch.core.prefix_cache import block_keys
 from batch.sim import simulate, traces
+from conftest import ROOT
 from inference_stub import Request
 from scheduler import Scheduler
 
@@ -42,10 +43,6 @@ def shared_tokens(a, b) -> int:
         n += 1
     return n
 
-
-def needs_traces(name: str):
-    return pytest.mark.skipif(not (traces.traces_dir() / name).is_file(),
-                              reason=f"no {name} in the traces folder ($BATCH_TRACES_DIR, ../shared/traces)")
 
 
 # ---------------------------------------------------------------- tokens from hash_ids
@@ -89,7 +86,7 @@ def test_a_jsonl_trace_loads_as_mooncake_with_seconds_users_and_shared_prefixes(
     ('{"timestamp": 0, "input_length": 10, "output_length": 5}', "hash_ids"),
     ('{"timestamp": "0", "input_length": 10, "output_length": 5, "hash_ids": [0]}', "must be a number"),
     ('{"timestamp": -1, "input_length": 10, "output_length": 5, "hash_ids": [0]}', "timestamp must be"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": -5, "hash_ids": [0]}', "lengths >= 0"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": -5, "hash_ids": [0]}', "lengths >= 1"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0]}', "hash ids"),
 ])
 def test_a_malformed_mooncake_row_names_the_file_and_line(tmp_path, line, what):
@@ -99,9 +96,9 @@ def test_a_malformed_mooncake_row_names_the_file_and_line(tmp_path, line, what):
         traces.load_trace(p)
 
 
-@needs_traces(CONV)
-def test_the_conversation_trace_loads_with_its_recorded_lengths_and_prefixes():
-    raw = [json.loads(x) for x, _ in zip(open(traces.traces_dir() / CONV), range(50))]
+def test_the_conversation_trace_loads_with_its_recorded_lengths_and_prefixes(monkeypatch):
+    monkeypatch.delenv(traces.TRACES_ENV, raising=False)  # the repository's data/traces
+    raw = [json.loads(x) for x, _ in zip(open(ROOT / "data" / "traces" / CONV), range(50))]
     rs = traces.load_trace(CONV, limit=50, users=5)
     assert [len(r.prompt) for r in rs] == [x["input_length"] for x in raw]
     assert [r.max_tokens for r in rs] == [x["output_length"] for x in raw]
@@ -160,12 +157,12 @@ def test_the_metrics_table_shows_the_hit_rate(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@needs_traces(CONV)
-def test_done_when_the_conversation_trace_reports_a_hit_rate_above_zero(capsys):
-    """Issue 30's command: ``batch --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 400
+def test_done_when_the_conversation_trace_reports_a_hit_rate_above_zero(capsys, monkeypatch):
+    """Issue 30's command: ``batch-llm --trace mooncake_conversation_trace.jsonl --limit 400
     --kv-cap-blocks 2048 --users 5 --clock virtual --json``."""
-    m = main_json(capsys, "--trace", str(traces.traces_dir() / CONV), "--limit", "400", "--kv-cap-blocks", "2048",
-                  "--users", "5", "--clock", "virtual", "--json", entry=commands.main)  # the `batch` script
+    monkeypatch.delenv(traces.TRACES_ENV, raising=False)  # the repository's data/traces
+    m = main_json(capsys, "--trace", CONV, "--limit", "400", "--kv-cap-blocks", "2048",
+                  "--users", "5", "--clock", "virtual", "--json", entry=commands.main)  # the `batch-llm` script
     assert m["prefix_caching"] is True and m["prefix_cache_hit_rate"] > 0
     assert m["completed"] + m["refused"] == 400
     assert m["refused"] == 36  # prompts longer than the 32,768-token cache: refused at submit, counted

@@ -4,7 +4,7 @@ retried on the other from scratch and come back with the same tokens), the A/B b
 replicas keeps B's median TTFT within 2.5x of alone (the goal is 1.5x: met in 18 of 20 runs), streams give the non-streaming answer and
 survive a kill mid-stream with each token once, a stream its caller abandons is aborted, the
 Ingress streams the single-process server's chunks and serves /metrics per replica, the Sybil
-test over ``batch serve --replicas 2`` holds in both orders (the honest key first: the attacker's
+test over ``batch-llm serve --replicas 2`` holds in both orders (the honest key first: the attacker's
 share at most 55%; the attacker first: the honest key's at least 45% in every 15-s window), and a
 flooding user gets no more than its share of either replica when each light user is pinned to one
 replica, which holds only with the shared counters (the same run without them is the control), and
@@ -91,7 +91,7 @@ def run(coro):
     return asyncio.new_event_loop().run_until_complete(coro)
 
 
-# ------------------------------------------------ batch serve --replicas 2 in its own process
+# ------------------------------------------------ batch-llm serve --replicas 2 in its own process
 # (these run first: the module's own Ray instance starts with the first test that needs `handle`)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ SHUTDOWN_TIMEOUT_S = 5
 
 @pytest.fixture(scope="module")
 def replicas_server(tmp_path_factory):
-    """``batch serve --replicas 2`` with API keys and no early EOS, in its own session (so a signal to
+    """``batch-llm serve --replicas 2`` with API keys and no early EOS, in its own session (so a signal to
     its process group is a terminal's Ctrl-C), its stderr in a file; ``url``, ``proc``, ``stderr()``."""
     d = tmp_path_factory.mktemp("replicas")
     cfg = d / "keys.toml"
@@ -120,7 +120,7 @@ def replicas_server(tmp_path_factory):
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, err_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "batch serve --replicas 2 did not start in 120 s"
+            assert time.monotonic() < deadline, "batch-llm serve --replicas 2 did not start in 120 s"
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -503,7 +503,7 @@ def test_a_stream_its_caller_stops_reading_is_aborted_on_its_replica(handle):
 
 @pytest.fixture(scope="module")
 def ingress(handle):
-    """The HTTP ``Ingress`` over the module's replicas (``batch serve --replicas N``'s); its URL."""
+    """The HTTP ``Ingress`` over the module's replicas (``batch-llm serve --replicas N``'s); its URL."""
     serve.run(Ingress.bind(handle, metrics_board=handle.board, metrics_period_s=METRICS_PERIOD_S,
                            max_body_bytes=INGRESS_MAX_BODY_BYTES, kv_cap_blocks=KV_CAP_BLOCKS,
                            identities=Identities(trust_user_field=True)),  # the body's user is the identity

@@ -1,4 +1,4 @@
-"""``batch serve`` over HTTP (issue 19): uvicorn in a thread on 127.0.0.1, a free port, a fast
+"""``batch-llm serve`` over HTTP (issue 19): uvicorn in a thread on 127.0.0.1, a free port, a fast
 simulated GPU; driven with the official ``openai`` client and raw ``httpx``.
 
 Tests assert behaviour, never timings, except the A/B fairness ratio the issue names.
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class LiveServer:
-    """``batch serve``'s app under uvicorn in a daemon thread, on a socket bound to a free port.
+    """``batch-llm serve``'s app under uvicorn in a daemon thread, on a socket bound to a free port.
 
     Args:
         cfg: the HTTP settings; **engine_kw: ``build_engine`` arguments (``time_scale``, ...).
@@ -257,7 +257,7 @@ def test_identity_options_that_conflict_or_overflow_are_refused(capsys):
         with pytest.raises(SystemExit) as e:
             serve.main(args)
         assert e.value.code == 2
-    assert capsys.readouterr().err.count("batch serve: error:") == 2
+    assert capsys.readouterr().err.count("batch-llm serve: error:") == 2
     with LiveServer(ServerConfig(trust_user_field=True)) as s:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "user": "u" * 257})
         assert r.status_code == 400 and r.json()["error"]["param"] == "user"
@@ -525,7 +525,7 @@ def test_ab_burst_over_http_b_within_1_5x_of_alone_on_the_servers_clock():
     7 of the 9 runs at 3.2-6.3, and 3.43 and 3.79 in the other two (load 6.3 and 4.0), which the
     earlier bound on the client's ratio (2x) failed.
 
-    The client is ``batch bench-serve --ab-burst`` in its own process (a client does not share the
+    The client is ``batch-llm bench-serve --ab-burst`` in its own process (a client does not share the
     server's interpreter), the server this test's. B's 5 requests alone, then 100 of A and 5 of B
     at once (workloads.ab_burst's lengths); once B's first tokens are in, every stream is dropped,
     which also aborts A's requests under load. The GPU's iteration is stretched (time scale 20:
@@ -545,7 +545,7 @@ def test_ab_burst_over_http_b_within_1_5x_of_alone_on_the_servers_clock():
 
 
 def run_sybil(url: str, attacks: str, *args: str, duration_s: float = 8.0) -> list[dict]:
-    """``batch bench-serve --sybil ATTACKS`` against ``url`` in its own process; each attack's row."""
+    """``batch-llm bench-serve --sybil ATTACKS`` against ``url`` in its own process; each attack's row."""
     out = subprocess.run([sys.executable, "-m", "batch.commands", "bench-serve", "--base-url", url, "--sybil", attacks,
                           "--sybil-duration-s", str(duration_s), "--json", *args],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -625,7 +625,7 @@ SYBIL_KEYS = {"sk-honest": "honest", "sk-attacker": "attacker"}
 
 
 def run_sybil_attacker_first(url: str, duration_s: float, *args: str) -> dict:
-    """``batch bench-serve --sybil one-key --attacker-first`` (2-s lead, 15-s windows from 5 s after
+    """``batch-llm bench-serve --sybil one-key --attacker-first`` (2-s lead, 15-s windows from 5 s after
     the honest key arrives) against ``url``; its one row."""
     (row,) = run_sybil(url, "one-key", "--attacker-first", "--attacker-lead-s", "2", "--honest-key", "sk-honest",
                        "--attacker-key", "sk-attacker", "--share-window-s", str(SHARE_WINDOW_S),
@@ -732,7 +732,7 @@ def test_user_sums_add_a_users_series_over_the_other_labels():
 # ---------------------------------------------------------------- the command
 
 
-def test_batch_command_dispatch(capsys):
+def test_batch_llm_command_dispatch(capsys):
     assert commands.main([]) == 2
     assert commands.main(["bogus"]) == 2
     assert "unknown command" in capsys.readouterr().err
@@ -904,7 +904,7 @@ def test_the_servers_own_per_user_state_stays_bounded_over_many_users():
 
 @pytest.mark.parametrize("sig, times", [("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
 def test_shutdown_under_load_ends_every_stream_and_exits(sig, times):
-    # `batch serve` in its own process, 8 endless streams open (no EOS, 3000 tokens each); a
+    # `batch-llm serve` in its own process, 8 endless streams open (no EOS, 3000 tokens each); a
     # signal (or two): every stream ends with a last chunk finish_reason "abort" and [DONE], the
     # server exits within its --shutdown-timeout (plus slack), says so once, no traceback.
     import signal

@@ -1,4 +1,4 @@
-"""``batch serve`` facing the internet (issue 39): what an attacker can send, answered without a
+"""``batch-llm serve`` facing the internet (issue 39): what an attacker can send, answered without a
 500, without holding the server, and within bounded memory.
 
 Connections (``batch.server.limits``): a socket that never sends a byte or sends its request
@@ -14,7 +14,7 @@ lookup is a dict on the key's digest, holding no key; per-user series stay bound
 users the config names; ``/metrics`` needs a key by default with keys; the API docs routes are off
 with keys. The Ray front door (``--replicas``) shares the body and key paths.
 
-Behaviour only: speed and memory figures come from ``batch bench-serve --attack`` and
+Behaviour only: speed and memory figures come from ``batch-llm bench-serve --attack`` and
 ``bench/server_keys.py`` (docs/server.md, "Connections and hostile input").
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 class GuardedServer:
-    """``create_app`` served as ``batch serve`` serves it (``app.state.guard.uvicorn_config``: the
+    """``create_app`` served as ``batch-llm serve`` serves it (``app.state.guard.uvicorn_config``: the
     connection limits on), uvicorn in a daemon thread on a free port."""
 
     def __init__(self, cfg: ServerConfig | None = None, base: type | None = None, **engine_kw) -> None:
@@ -90,7 +90,7 @@ class GuardedServer:
 
 
 class ServeProcess:
-    """``batch serve ARGS`` in its own process (its soft open-files limit set to ``nofile``)."""
+    """``batch-llm serve ARGS`` in its own process (its soft open-files limit set to ``nofile``)."""
 
     def __init__(self, *args: str, nofile: int | None = None) -> None:
         self.port = free_port()
@@ -113,7 +113,7 @@ class ServeProcess:
             except httpx.HTTPError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.proc.kill()
-                    raise AssertionError(f"batch serve did not start: {self.proc.stderr.read()}") from None
+                    raise AssertionError(f"batch-llm serve did not start: {self.proc.stderr.read()}") from None
                 time.sleep(0.1)
 
     def __exit__(self, *exc) -> None:
@@ -225,7 +225,7 @@ def test_a_keep_alive_connection_serves_requests_and_a_long_stream_outlives_the_
 
 
 def test_idle_and_slow_sockets_past_the_open_files_limit_leave_health_and_a_keyed_request_answering(tmp_path):
-    # the server's soft open-files limit is 1,024 (as on most systems; 'batch serve' raises it to
+    # the server's soft open-files limit is 1,024 (as on most systems; 'batch-llm serve' raises it to
     # the hard limit); 1,100 sockets that never finish a head, then /health and a keyed request
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     server_soft = 1024 if hard >= 2400 else max(64, hard // 4)

@@ -71,7 +71,7 @@ def test_load_trace_keeps_lengths_and_arrivals(tmp_path):
 
 
 def test_load_trace_reads_a_user_column(tmp_path):
-    # The anchor traces (../shared/traces/anchors/) name the column ``user``, not ``user_id``.
+    # The anchor traces (data/traces/anchors/) name the column ``user``, not ``user_id``.
     p = tmp_path / "anchor.csv"
     p.write_text("arrival_s,prompt_tokens,output_tokens,user\n0.1,10,5,A\n0.2,20,7,B\n0.3,30,9,\n")
     rs = traces.load_trace(p, users=3, seed=1)
@@ -82,23 +82,23 @@ def test_load_trace_reads_a_user_column(tmp_path):
     assert [r.user_id for r in traces.load_trace(both)] == ["alice", "B"]
 
 
-@pytest.mark.skipif(not traces.traces_dir().exists(), reason="no traces folder ($BATCH_TRACES_DIR, ../shared/traces)")
-def test_shared_trace_loads_by_name():
+def test_a_trace_of_the_repository_loads_by_name(monkeypatch):
+    monkeypatch.delenv(traces.TRACES_ENV, raising=False)
     rs = traces.load_trace("norm_azure2023_code.csv", limit=50)
     assert len(rs) == 50 and rs[0].submitted_at == 0.0
 
 
-def test_traces_folder_is_the_flag_then_the_setting_then_shared_traces_beside_the_checkout(monkeypatch, tmp_path):
+def test_traces_folder_is_the_flag_then_the_setting_then_data_traces_in_the_checkout(monkeypatch, tmp_path):
     monkeypatch.delenv(traces.TRACES_ENV, raising=False)
     monkeypatch.chdir(ROOT / "tests")  # anywhere inside the checkout: its root is found upward
     assert traces.project_root() == ROOT
-    assert traces.traces_dir() == ROOT.parent / "shared" / "traces"  # what a checkout always used
+    assert traces.traces_dir() == ROOT / "data" / "traces"
     monkeypatch.setenv(traces.TRACES_ENV, str(tmp_path))
     assert traces.traces_dir() == tmp_path
     assert traces.traces_dir(tmp_path / "given") == tmp_path / "given"
     monkeypatch.delenv(traces.TRACES_ENV)
     monkeypatch.chdir(tmp_path)  # outside any checkout: the one holding the package (an editable install)
-    assert traces.project_root() is None and traces.traces_dir() == ROOT.parent / "shared" / "traces"
+    assert traces.project_root() is None and traces.traces_dir() == ROOT / "data" / "traces"
 
 
 def test_a_trace_name_is_looked_up_in_the_setting_or_the_given_folder(monkeypatch, tmp_path, capsys):

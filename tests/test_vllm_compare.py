@@ -117,7 +117,7 @@ def test_ab_ratios_reuses_the_timed_run_it_is_given():
 
 def test_traces_dir_flag_then_env_then_default(monkeypatch, tmp_path):
     monkeypatch.delenv(vc.TRACES_ENV, raising=False)
-    assert vc.traces_dir() == ROOT.parent / "shared" / "traces" / "anchors"
+    assert vc.traces_dir() == ROOT / "data" / "traces" / "anchors"
     monkeypatch.setenv(vc.TRACES_ENV, str(tmp_path))
     assert vc.traces_dir() == tmp_path  # a folder of anchor traces itself
     (tmp_path / "anchors").mkdir()
@@ -211,8 +211,6 @@ def test_tolerance_rows_beside_the_shipped_batch(tmp_path):
 
 @pytest.mark.slow
 def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
-    if not (vc.traces_dir(None) / "trace200_poisson20_seed0.csv").is_file():
-        pytest.skip(f"the anchor traces are not at {vc.traces_dir(None)}")
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "tolerance_sweep.py"), "--tolerances", "0,4096"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr

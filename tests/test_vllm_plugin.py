@@ -65,9 +65,8 @@ def step(sched, produced):
             sampled.append([])
     mro = v.ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: j for j, rid in enumerate(ids)},
                               sampled_token_ids=sampled)
-    charges = sched.charge(out, mro)
-    bv.Scheduler.update_from_output(sched, out, mro)  # vLLM's own half: charged once, above
-    return out, charges
+    sched.update_from_output(out, mro)
+    return out, sched.last_charges
 
 
 def admitted(out):

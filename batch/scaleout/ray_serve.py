@@ -22,7 +22,7 @@ Needs the ``scaleout`` extra (``ray[serve]``); nothing else in the project impor
   (a Ray actor error) is sent again, to the replicas left, from scratch (tokens so far discarded;
   the seeded GPU regenerates the same ones; a stream skips the tokens it already delivered).
   ``Ingress`` serves ``POST /v1/completions`` (streaming or not), ``GET /health`` and
-  ``GET /metrics`` through it for ``batch serve --replicas N``.
+  ``GET /metrics`` through it for ``batch-llm serve --replicas N``.
 """
 from __future__ import annotations
 
@@ -1068,7 +1068,7 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
                trust_user_field: bool = False, user_header: str | None = None,
                metrics_need_key: bool | None = None, shutdown_timeout_s: float = 10.0,
                timeout_keep_alive_s: float = 5.0, auth_failure_delay_s: float = 0.1) -> None:
-    """``batch serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
+    """``batch-llm serve --replicas N``: a local Ray instance, the counters actor, the metrics board,
     ``replicas`` engine replicas and the ``Ingress`` on ``http://host:port`` (``/v1/completions``,
     ``/health``, ``/metrics``); blocks until interrupted.
 
@@ -1129,7 +1129,7 @@ def serve_http(replicas: int, *, host: str = "127.0.0.1", port: int = 8000, time
     except KeyboardInterrupt:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal changes nothing: the shutdown is bounded
             signal.signal(sig, signal.SIG_IGN)
-        print(f"batch serve: shutting down: ending the open answers (waiting at most {shutdown_timeout_s:g} s), "
+        print(f"batch-llm serve: shutting down: ending the open answers (waiting at most {shutdown_timeout_s:g} s), "
               f"then Ray Serve and Ray", file=sys.stderr, flush=True)
         if ingress is not None:
             _drain(ingress, shutdown_timeout_s)
@@ -1155,9 +1155,9 @@ def _drain(ingress: Any, timeout_s: float) -> None:
     try:
         left = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + 1.0)
     except Exception as e:  # noqa: BLE001 - the shutdown goes on whatever happened to the drain
-        print(f"batch serve: the Ingress did not drain ({type(e).__name__}); cutting the open answers",
+        print(f"batch-llm serve: the Ingress did not drain ({type(e).__name__}); cutting the open answers",
               file=sys.stderr, flush=True)
         return
     if left:
-        print(f"batch serve: {left} answer(s) still open after {timeout_s:g} s; cutting them", file=sys.stderr,
+        print(f"batch-llm serve: {left} answer(s) still open after {timeout_s:g} s; cutting them", file=sys.stderr,
               flush=True)

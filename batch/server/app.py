@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streaming with
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or not), ``GET
 /v1/models``, ``GET /health`` (JSON: the scheduler's state and the engine's totals) and ``GET
-/metrics`` (Prometheus). ``create_app`` builds the app; ``batch serve`` runs it under uvicorn.
+/metrics`` (Prometheus). ``create_app`` builds the app; ``batch-llm serve`` runs it under uvicorn.
 
 Request fields used: ``prompt`` (completions: a string, a list of token ids, or a list of
 exactly one of those) or ``messages`` (chat), ``max_tokens`` (chat also
@@ -100,7 +100,7 @@ class ServerConfig:
         max_user_labels: how many users (configured or not) get their own per-user metric label;
             later ones are counted under ``user="other"``.
         limits: connection limits and timeouts (``batch.server.limits``), enforced when the app
-            is served with ``app.state.guard.uvicorn_config(app, ...)`` (``batch serve`` does).
+            is served with ``app.state.guard.uvicorn_config(app, ...)`` (``batch-llm serve`` does).
         disable_fastapi_docs: no ``/docs``, ``/redoc`` nor ``/openapi.json`` (vLLM's flag);
             they are off anyway when ``api_keys`` are configured.
         auth_failure_delay_s: a 401 is answered after this many seconds (>= 0): a client

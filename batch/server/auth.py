@@ -2,7 +2,7 @@
 
 The fairness identity (the scheduler's ``user_id``) is the server's, never the client's word,
 except where the operator says the client's word is trusted. ``Identities`` holds the rule, one of
-four modes, chosen at start-up (``batch serve``'s flags):
+four modes, chosen at start-up (``batch-llm serve``'s flags):
 
 * **keys** (the config lists ``api_keys``): every ``/v1`` request needs ``Authorization: Bearer
   KEY`` with a listed key, else 401; the identity is the key's user. The body's ``user`` never

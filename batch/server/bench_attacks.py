@@ -1,7 +1,7 @@
-"""``batch bench-serve --attack``: what connection and request floods cost honest clients.
+"""``batch-llm bench-serve --attack``: what connection and request floods cost honest clients.
 
-    batch bench-serve --attack idle-sockets,slow-headers --honest-key sk-alice
-    batch bench-serve --attack scrape,401-flood --honest-key sk-alice --attacker-key sk-mallory
+    batch-llm bench-serve --attack idle-sockets,slow-headers --honest-key sk-alice
+    batch-llm bench-serve --attack scrape,401-flood --honest-key sk-alice --attacker-key sk-mallory
 
 Each attack is a phase of two windows of ``--attack-duration-s`` seconds: the honest party alone,
 then the honest party with the attacker. The honest party (``--honest-key``; this process, over

@@ -1,14 +1,14 @@
-"""``batch bench-serve``: a load generator for ``batch serve``, after vLLM's ``benchmark_serving``.
+"""``batch-llm bench-serve``: a load generator for ``batch-llm serve``, after vLLM's ``benchmark_serving``.
 
-    batch bench-serve --num-prompts 500 --request-rate 20 --users 5       # Poisson arrivals
-    batch bench-serve --trace norm_azure2023_conv.csv --limit 300         # a trace's arrivals and lengths
-    batch bench-serve --max-concurrency 64 --num-prompts 2000 --request-rate inf   # 64 streams at a time
-    batch bench-serve --ab-burst --ab-seeds 4,5,6                         # the A/B fairness burst over HTTP
-    batch bench-serve --num-prompts 10000 --disconnect-prob 0.3 --check-drained
-    batch bench-serve --sybil one-key,made-up-keys --honest-key sk-alice --attacker-key sk-mallory
-    batch bench-serve --sybil one-key --attacker-first --honest-key sk-alice --attacker-key sk-mallory
-    batch bench-serve --stall 100 --honest-key sk-alice --attacker-key sk-mallory
-    batch bench-serve --attack idle-sockets,slow-headers,scrape,401-flood --honest-key sk-alice
+    batch-llm bench-serve --num-prompts 500 --request-rate 20 --users 5       # Poisson arrivals
+    batch-llm bench-serve --trace norm_azure2023_conv.csv --limit 300         # a trace's arrivals and lengths
+    batch-llm bench-serve --max-concurrency 64 --num-prompts 2000 --request-rate inf   # 64 streams at a time
+    batch-llm bench-serve --ab-burst --ab-seeds 4,5,6                         # the A/B fairness burst over HTTP
+    batch-llm bench-serve --num-prompts 10000 --disconnect-prob 0.3 --check-drained
+    batch-llm bench-serve --sybil one-key,made-up-keys --honest-key sk-alice --attacker-key sk-mallory
+    batch-llm bench-serve --sybil one-key --attacker-first --honest-key sk-alice --attacker-key sk-mallory
+    batch-llm bench-serve --stall 100 --honest-key sk-alice --attacker-key sk-mallory
+    batch-llm bench-serve --attack idle-sockets,slow-headers,scrape,401-flood --honest-key sk-alice
 
 Every request streams (``/v1/completions``, ``stream: true``) over ``httpx`` (async). Client
 times, per request: TTFT (send to the first chunk), ITL (between chunks), TPOT ((e2el - TTFT)
@@ -47,7 +47,7 @@ prints the honest party's share in every ``--share-window-s`` (15) window from
 beside the fair share at ``--sybil-weights H:A`` (the weights the server's ``--config`` gives the
 two users; the client only prints against them)::
 
-    batch serve --config keys.toml --eos-probability 0     # keys sk-honest -> honest, sk-attacker -> attacker
+    batch-llm serve --config keys.toml --eos-probability 0     # keys sk-honest -> honest, sk-attacker -> attacker
     batch bench-serve --sybil one-key --attacker-first --attacker-lead-s 2 --sybil-duration-s 60 \
         --honest-key sk-honest --attacker-key sk-attacker
 
@@ -956,9 +956,9 @@ def _attack_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``batch bench-serve``; returns the exit status (1 when ``--check-drained`` fails or a
+    """``batch-llm bench-serve``; returns the exit status (1 when ``--check-drained`` fails or a
     request was lost, 2 for a bad argument)."""
-    p = argparse.ArgumentParser(prog="batch bench-serve", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="batch-llm bench-serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="the body's model (default: none sent)")

@@ -1,4 +1,4 @@
-"""``uvicorn.Server`` with a bounded, clean shutdown for ``batch serve``.
+"""``uvicorn.Server`` with a bounded, clean shutdown for ``batch-llm serve``.
 
 On the first SIGINT or SIGTERM, uvicorn stops accepting connections and waits for the open ones
 to finish, up to ``timeout_graceful_shutdown`` seconds, before the app's lifespan shutdown.
@@ -45,7 +45,7 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Abort every request in flight (their responses end at once), then uvicorn's shutdown."""
         n = self.engine.snapshot.in_flight
-        print(f"batch serve: shutting down: aborting {n} request(s) in flight (waiting at most "
+        print(f"batch-llm serve: shutting down: aborting {n} request(s) in flight (waiting at most "
               f"{self.config.timeout_graceful_shutdown} s for their responses)", file=sys.stderr, flush=True)
         self.engine.begin_stop()
         await super().shutdown(sockets)

@@ -1,4 +1,4 @@
-"""Connection limits and timeouts for ``batch serve``: what uvicorn does not bound by itself.
+"""Connection limits and timeouts for ``batch-llm serve``: what uvicorn does not bound by itself.
 
 What uvicorn (0.54; its httptools or h11 protocol) bounds and what it leaves open, read in its
 source (``uvicorn/protocols/http/*_impl.py``):
@@ -58,7 +58,7 @@ FD_RESERVE = 64
 
 @dataclass
 class HttpLimits:
-    """The connection limits and timeouts (``batch serve``'s flags of the same names).
+    """The connection limits and timeouts (``batch-llm serve``'s flags of the same names).
 
     Attributes:
         timeout_keep_alive: seconds an idle keep-alive connection is kept after a response

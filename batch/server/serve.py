@@ -1,12 +1,12 @@
-"""``batch serve``: build the engine, tokenizer and app from the command line; run uvicorn.
+"""``batch-llm serve``: build the engine, tokenizer and app from the command line; run uvicorn.
 
-    batch serve --port 8000                              # the simulated GPU in real time
-    batch serve --time-scale 0.05                        # twenty times faster (tests, benchmarks)
-    batch serve --model PATH                             # a Hugging Face checkpoint folder
-    batch serve --config users.toml                      # per-user weights, API keys (authentication)
-    batch serve --trust-user-field                       # no keys: the body's user is the identity
-    batch serve --user-header x-tenant-id                # no keys: a trusted gateway's header
-    batch serve --replicas 2                             # two engines on Ray Serve (the scaleout extra)
+    batch-llm serve --port 8000                              # the simulated GPU in real time
+    batch-llm serve --time-scale 0.05                        # twenty times faster (tests, benchmarks)
+    batch-llm serve --model PATH                             # a Hugging Face checkpoint folder
+    batch-llm serve --config users.toml                      # per-user weights, API keys (authentication)
+    batch-llm serve --trust-user-field                       # no keys: the body's user is the identity
+    batch-llm serve --user-header x-tenant-id                # no keys: a trusted gateway's header
+    batch-llm serve --replicas 2                             # two engines on Ray Serve (the scaleout extra)
 
 The config file (JSON, or TOML when its name ends in ``.toml``) has two optional tables:
 ``weights`` (user -> int weight >= 1, passed to ``VTCPolicy``) and ``api_keys`` (API key ->
@@ -102,7 +102,7 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
                  weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
                  max_running: int | None = None, device: str | None = None, dtype: str = "float32",
                  check_invariants: bool = False, prefix_caching: bool = False) -> tuple[Engine, Tokenizer, str]:
-    """The engine (scheduler + backend) and tokenizer ``batch serve`` runs.
+    """The engine (scheduler + backend) and tokenizer ``batch-llm serve`` runs.
 
     Args:
         backend: ``"sim"`` (``SeededGPU``, real time times ``time_scale``, ``WordTokenizer``)
@@ -177,7 +177,7 @@ def _non_negative_float(text: str) -> float:
 _non_negative_float.__name__ = "finite number >= 0"
 
 
-#: ``batch serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
+#: ``batch-llm serve`` options the Ray deployment does not honour: refused with ``--replicas N > 1``
 #: when set to anything but their default (rather than silently ignored).
 _NOT_WITH_REPLICAS = ("max_running", "max_waiting", "prefix_caching", "served_model_name", "max_user_labels",
                       "log_level", "device", "dtype", "timeout_headers", "limit_concurrency",
@@ -207,10 +207,10 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     try:
         from batch.scaleout.ray_serve import serve_http  # noqa: PLC0415 - the optional 'scaleout' extra
     except ImportError as e:
-        print(f"batch serve --replicas needs the 'scaleout' extra (pip install -e '.[scaleout]'): {e}",
+        print(f"batch-llm serve --replicas needs the 'scaleout' extra (pip install -e '.[scaleout]'): {e}",
               file=sys.stderr)
         return 2
-    print(f"batch serve: {a.replicas} replicas on Ray Serve (sim, time scale {a.time_scale}, counters synced every "
+    print(f"batch-llm serve: {a.replicas} replicas on Ray Serve (sim, time scale {a.time_scale}, counters synced every "
           f"{a.counter_period} s, identity: {identities.mode}) on http://{a.host}:{a.port}/v1/completions",
           file=sys.stderr)
     try:
@@ -236,13 +236,13 @@ def _log_to_stderr(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``batch serve``: parse arguments, build, run uvicorn until interrupted; the exit status.
+    """``batch-llm serve``: parse arguments, build, run uvicorn until interrupted; the exit status.
 
     Raises:
-        SystemExit: status 2 with a ``batch serve: error: ...`` line for a bad argument or
+        SystemExit: status 2 with a ``batch-llm serve: error: ...`` line for a bad argument or
             config file.
     """
-    p = argparse.ArgumentParser(prog="batch serve", description="An OpenAI-compatible HTTP server over Batch.")
+    p = argparse.ArgumentParser(prog="batch-llm serve", description="An OpenAI-compatible HTTP server over Batch.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help="a Hugging Face checkpoint folder (implies --backend model)")
@@ -323,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from batch.server.app import ServerConfig, create_app  # noqa: PLC0415
         from batch.server.graceful import GracefulServer  # noqa: PLC0415
     except ImportError as e:
-        print(f"batch serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
+        print(f"batch-llm serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
         return 2
     backend = a.backend or ("model" if a.model else "sim")
     nofile_before, nofile = raise_open_files_limit()  # each connection holds a descriptor
@@ -350,11 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
     srv = app.state.server
-    print(f"batch serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}, identity: "
+    print(f"batch-llm serve: {cfg.model_name} ({backend}, tokenizer {tok.name}, time scale {a.time_scale}, identity: "
           f"{srv.identities.mode}{', /metrics needs a key' if srv.metrics_need_key else ''}) on "
           f"http://{a.host}:{a.port}", file=sys.stderr)
     raised = "" if nofile == nofile_before else f", raised from {nofile_before}"
-    print(f"batch serve: at most {app.state.guard.max_connections} connections (open-files limit {nofile}{raised}), "
+    print(f"batch-llm serve: at most {app.state.guard.max_connections} connections (open-files limit {nofile}{raised}), "
           f"request head within {a.timeout_headers:g} s and {a.h11_max_incomplete_event_size} bytes, keep-alive "
           f"{a.timeout_keep_alive:g} s", file=sys.stderr)
     _log_to_stderr(a.log_level)

@@ -1,23 +1,21 @@
-"""Production traces: where they are and how they load.
+"""Request traces: where they are and how they load.
 
 ``load_trace`` replays the normalised trace CSVs (``arrival_s,prompt_tokens,output_tokens,user_id``)
-of the shared traces folder: the Azure LLM inference trace 2023 (Patel et al., Splitwise,
-ISCA 2024) and the Mooncake FAST'25 traces; the anchor traces are in its ``anchors/`` folder.
-A ``.jsonl`` file is read as a Mooncake trace (``load_mooncake``): ``timestamp`` (ms),
-``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token block of the prompt,
-from which the prompt's token ids are derived so that equal ids give equal tokens (the prefix
-cache's hits; ``docs/prefix-caching.md``).
+of the traces folder: the Azure LLM inference trace 2023 (Patel et al., Splitwise, ISCA 2024) and
+the Mooncake FAST'25 traces; the anchor traces are in its ``anchors/`` folder. A ``.jsonl`` file
+is read as a Mooncake trace (``load_mooncake``): ``timestamp`` (ms), ``input_length``,
+``output_length`` and ``hash_ids``, one id per 512-token block of the prompt, from which the
+prompt's token ids are derived so that equal ids give equal tokens (the prefix cache's hits;
+``docs/prefix-caching.md``). Each file's source, licence and derivation: ``data/traces/README.md``.
 
-A trace given by file name is looked up in the traces folder, found by a setting, never by
-where this file is installed. First to last:
+A trace given by file name is looked up in the traces folder, first to last:
 
 1. a folder passed explicitly (the main job's ``--trace-dir``, the bench scripts' ``--traces``);
 2. ``$BATCH_TRACES_DIR``;
-3. ``../shared/traces`` beside the checkout the current directory is in (the nearest folder at
-   or above it holding ``pyproject.toml`` and ``scheduler.py``), else beside the checkout this
-   package sits in (an editable install), else ``../shared/traces`` from the current directory.
-
-Run from a checkout, the default is what it always was: ``../shared/traces`` beside the repository.
+3. ``data/traces`` of the repository: the checkout the current directory is in (the nearest
+   folder at or above it holding ``pyproject.toml`` and ``scheduler.py``), else the one this
+   package sits in (a checkout on ``sys.path``, an editable install). A package installed
+   without its repository (``pip install .``) has no traces folder: set ``$BATCH_TRACES_DIR``.
 """
 from __future__ import annotations
 
@@ -49,11 +47,29 @@ def project_root(start: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
+#: The traces folder inside the repository (``data/traces/README.md`` lists its files).
+REPO_TRACES = Path("data") / "traces"
+
+
 def default_traces_dir() -> Path:
-    """``../shared/traces`` beside the current directory's checkout, else beside the checkout
-    holding this package, else relative to the current directory (see the module docstring)."""
-    root = project_root() or project_root(Path(__file__).parent)
-    return (root.parent if root else Path.cwd().parent) / "shared" / "traces"
+    """``data/traces`` of the current directory's checkout, else of the checkout holding this
+    package, else where it would be beside the installed package (absent: see the module
+    docstring)."""
+    root = project_root() or project_root(Path(__file__).parent) or Path(__file__).resolve().parents[2]
+    return root / REPO_TRACES
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the current directory's checkout when inside it (``data/traces/anchors``),
+    else as given: what a report prints, the same on every machine."""
+    root = project_root()
+    p = Path(path)
+    if root is not None:
+        try:
+            return str(p.resolve().relative_to(root))
+        except ValueError:
+            pass
+    return str(path)
 
 
 def traces_dir(folder: str | os.PathLike | None = None) -> Path:
@@ -80,7 +96,7 @@ def resolve_trace(name_or_path: str | os.PathLike, trace_dir: str | os.PathLike 
         if found.exists():
             return found
     raise FileNotFoundError(f"no trace at {p} nor {q} (traces folder: --trace-dir, else ${TRACES_ENV}, "
-                            f"else ../shared/traces beside the checkout)")
+                            f"else {REPO_TRACES} in the checkout)")
 
 
 def _numbered_rows(reader: csv.DictReader, path: str | os.PathLike, limit: int | None) -> list[tuple[int, dict]]:
@@ -122,7 +138,7 @@ def load_trace(
             ``anchors/`` folder name it so).
         seed: seed for prompt token ids and user assignment.
         trace_dir: the traces folder a bare file name is looked up in (default: ``$BATCH_TRACES_DIR``,
-            else ``../shared/traces`` beside the checkout).
+            else ``data/traces`` in the checkout).
 
     A ``.jsonl`` file is a Mooncake trace: ``load_mooncake`` reads it (the same arguments).
 
@@ -137,8 +153,9 @@ def load_trace(
         IsADirectoryError: ``path`` is a directory.
         ValueError: a malformed row, naming the file, the line and the value: a field that is
             not a number, an ``arrival_s`` that is not finite (nan, inf) or is negative (a nan
-            arrival made a replay wait for ever), or a negative token count; a file that is not
-            UTF-8 text or not CSV; ``time_scale`` not a finite number > 0; ``users < 1``.
+            arrival made a replay wait for ever), or a token count < 1 (an empty prompt or no
+            output token: no request could have it, ``Scheduler.submit`` refuses it); a file that
+            is not UTF-8 text or not CSV; ``time_scale`` not a finite number > 0; ``users < 1``.
     """
     _check_scale_users(time_scale, users)
     found = resolve_trace(path, trace_dir)
@@ -164,8 +181,10 @@ def load_trace(
         arrival_s *= time_scale
         if arrival_s == math.inf:
             raise ValueError(f"{where}: arrival_s {row['arrival_s']!r} times time_scale {time_scale} is not finite")
-        if plen < 0 or olen < 0:
-            raise ValueError(f"{where}: token counts must be >= 0, got prompt_tokens={plen}, output_tokens={olen}")
+        if plen < 1 or olen < 1:  # Scheduler.submit refuses both: a table of zeros, not a replay
+            raise ValueError(f"{where}: no request can have this row: prompt_tokens and output_tokens must be "
+                             f">= 1 (a request has a prompt and asks for a token), got prompt_tokens={plen}, "
+                             f"output_tokens={olen}")
         user = (row.get("user_id") or row.get("user") or "").strip() or f"u{rng.randint(1, users)}"
         out.append(
             Request(
@@ -247,8 +266,8 @@ def load_mooncake(
     Raises:
         FileNotFoundError, IsADirectoryError: as ``resolve_trace``.
         ValueError: a malformed row, naming the file and the line: not JSON, a field missing or of
-            the wrong type, a negative or non-finite timestamp, a negative count, hash ids that do
-            not cover the prompt; ``time_scale`` or ``users`` out of range.
+            the wrong type, a negative or non-finite timestamp, a length < 1 (no request could
+            have it), hash ids that do not cover the prompt; ``time_scale`` or ``users`` out of range.
     """
     _check_scale_users(time_scale, users)
     rng = random.Random(seed)
@@ -271,9 +290,10 @@ def load_mooncake(
                     raise TypeError("timestamp must be a number; input_length, output_length and hash_ids ints")
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{where}: not a Mooncake row ({type(e).__name__}: {e})") from None
-            if not 0 <= ts_ms < math.inf or plen < 0 or olen < 0:
-                raise ValueError(f"{where}: timestamp must be finite ms >= 0 and lengths >= 0, got "
-                                 f"timestamp={ts_ms!r}, input_length={plen}, output_length={olen}")
+            if not 0 <= ts_ms < math.inf or plen < 1 or olen < 1:
+                raise ValueError(f"{where}: timestamp must be finite ms >= 0 and lengths >= 1 (a request has a "
+                                 f"prompt and asks for a token), got timestamp={ts_ms!r}, input_length={plen}, "
+                                 f"output_length={olen}")
             first_ms = ts_ms if first_ms is None else first_ms
             try:
                 prompt = mooncake_prompt(plen, ids, cache=blocks)
