@@ -48,7 +48,7 @@ beside the fair share at ``--sybil-weights H:A`` (the weights the server's ``--c
 two users; the client only prints against them)::
 
     batch-llm serve --config keys.toml --eos-probability 0     # keys sk-honest -> honest, sk-attacker -> attacker
-    batch bench-serve --sybil one-key --attacker-first --attacker-lead-s 2 --sybil-duration-s 60 \
+    batch-llm bench-serve --sybil one-key --attacker-first --attacker-lead-s 2 --sybil-duration-s 60 \
         --honest-key sk-honest --attacker-key sk-attacker
 
 ``--stall N`` is the stall probe: a 2-token request's TTFT (``--honest-key``) on the idle server,
@@ -907,7 +907,7 @@ def _stall_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
                                     stream_max_tokens=a.stall_max_tokens, warmup_s=a.stall_warmup_s,
                                     probes=a.stall_probes, probe_gap_s=a.stall_probe_gap_s))
     except RuntimeError as e:
-        print(f"batch bench-serve: stall probe: {e}", file=sys.stderr)
+        print(f"batch-llm bench-serve: stall probe: {e}", file=sys.stderr)
         return 1
     _wait_idle(base)
     bad = a.stall_max_ratio is not None and r["ratio_median"] > a.stall_max_ratio
