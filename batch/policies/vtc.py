@@ -3,10 +3,11 @@ artifact ``Ying1123/VTC-artifact``, ``vtc_req_queue.py``), weighted, with a tole
 
 Rules (``spec.fairness_rules``, which the z3 proofs check; ``docs/fairness.md``): a counter grows
 by ``w_p`` per prompt token computed for the first time and ``w_q`` per output token over the
-weight (``charged_counter``); admission takes the oldest request among users within the tolerance
-of the least counter (``vtc_eligible``), charging its prompt before the next pick; a returning
-user is lifted to the floor (``lift_floor``, ``lifted_counter``); an idle user at or below it is
-forgotten (``forgettable``: the lift restores the same counter).
+weight (``charged_counter``); admission takes light users' requests first, then the earliest
+``order_no`` among users within the tolerance of the least counter (``vtc_eligible``), charging its
+prompt before the next pick; a returning user is lifted to the floor (``lift_floor``,
+``lifted_counter``, at ``LIFT_TOLERANCE_TOKENS``); an idle user at or below it is forgotten
+(``forgettable``: the lift restores the same counter).
 """
 from __future__ import annotations
 
