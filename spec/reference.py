@@ -197,22 +197,35 @@ def victim(snap: Snapshot, cands: list[Req]) -> Req:
 
 
 def vtc_order(snap: Snapshot, light: set[str]) -> list[Req]:
-    """VTC's admission order: every waiting request of a light user first, by ``order_no``; then,
-    repeatedly, among the other users with a waiting request whose local counter is within the
-    tolerance of the least of theirs, the user whose earliest waiting request (by ``order_no``)
-    comes first; that request goes next and its user's local counter is charged its uncharged
-    prompt."""
+    """VTC's admission order, with the tolerance ``band_tolerance`` (the band only while every
+    user with a waiting request has the same weight): the waiting requests of light users first,
+    by ``order_no``, each while its user's local counter (charged its earlier picks' uncharged
+    prompts) is within the tolerance of the least counter of the users not light (``light_first``;
+    once not, that user's requests left join the others); then, repeatedly, among the users
+    left whose local counter is within the tolerance of the least of theirs, the user whose
+    earliest waiting request (by ``order_no``) comes first; that request goes next and its user's
+    local counter is charged its uncharged prompt."""
     pp, _ = snap.prices
     by_order = sorted(snap.waiting, key=lambda r: r.order)
-    out = [r for r in by_order if r.user in light]
+    tol = fr.band_tolerance(snap.tol, len({snap.weight(r.user) for r in snap.waiting}) <= 1)
+    local = {r.user: snap.counter(r.user) for r in by_order}
+    others = [local[u] for u in local if u not in light]
+    cut: set[str] = set()  # light users past light_first
+    out: list[Req] = []
+    for r in by_order:
+        if r.user in light and r.user not in cut:
+            if others and not fr.light_first(local[r.user], min(others), tol):
+                cut.add(r.user)
+                continue
+            out.append(r)
+            local[r.user] = fr.charged_counter(local[r.user], pp * (r.P - r.charged), snap.weight(r.user))
     queues: dict[str, list[Req]] = {}
     for r in by_order:
-        if r.user not in light:
+        if r not in out:
             queues.setdefault(r.user, []).append(r)
-    local = {u: snap.counter(u) for u in queues}
     while queues:
         least = min(local[u] for u in queues)
-        elig = [u for u in queues if fr.vtc_eligible(local[u], least, snap.tol)]
+        elig = [u for u in queues if fr.vtc_eligible(local[u], least, tol)]
         u = min(elig, key=lambda u: queues[u][0].order)
         r = queues[u].pop(0)
         out.append(r)

@@ -80,12 +80,24 @@ class Ref:
 
     def order(self, light=None):
         light = light or (lambda u: False)
-        out = sorted((q for u, v in self.wait.items() if light(u) for q in v), key=lambda q: q.order_no)
-        qs = {u: sorted(v, key=lambda q: q.order_no) for u, v in self.wait.items() if not light(u)}
-        local = {u: self.c.get(u, 0) for u in qs}
+        T = self.T if len({self.weight(u) for u in self.wait}) <= 1 else 0  # the band: equal weights only
+        local = {u: self.c.get(u, 0) for u in self.wait}
+        heavy = [local[u] for u in self.wait if not light(u)]
+        out, cut = [], set()
+        for q in sorted((q for u, v in self.wait.items() if light(u) for q in v), key=lambda q: q.order_no):
+            u = q.user_id
+            if u in cut or (heavy and local[u] > min(heavy) + T):
+                cut.add(u)  # ahead of the least heavy counter by more than T: the rest wait in the band
+                continue
+            out.append(q)
+            local[u] += cdiv(self.pp * (q.num_prompt_tokens - q.prompt_charged_tokens) * S, self.weight(u))
+        qs = {}
+        for q in sorted((q for v in self.wait.values() for q in v), key=lambda q: q.order_no):
+            if q not in out:
+                qs.setdefault(q.user_id, []).append(q)
         while qs:
             least = min(local[u] for u in qs)
-            elig = [u for u in qs if local[u] <= least + self.T]
+            elig = [u for u in qs if local[u] <= least + T]
             u = min(elig, key=lambda u: qs[u][0].order_no)
             s = qs[u].pop(0)
             out.append(s)

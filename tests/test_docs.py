@@ -488,8 +488,9 @@ def test_a_readme_example_runs(start, code, capsys):
     if "sched.metrics().items()" in code:  # metrics() readably: one "name value" line a figure
         assert re.search(r"^requests_finished +1$", out, re.M) and re.search(r"^ttft_p99_s +\d", out, re.M)
         assert len(out.splitlines()) == 1 + len(namespace["sched"].metrics())
-    if "on_tokens=" in code:  # streaming: each of the 5 tokens as it is made
-        assert [line.split()[0] for line in out.splitlines()] == ["s1"] * 5
+    if "on_tokens=" in code:  # streaming: each token as it is made (up to 5: the stub's random EOS may end it early)
+        names = [line.split()[0] for line in out.splitlines()]
+        assert 1 <= len(names) <= 5 and set(names) == {"s1"}, names
     if "weights=" in code:  # weight 2: about twice the tokens while both users wait
         served = namespace["served"]
         assert 1.8 <= served["alice"] / served["bob"] <= 2.2, served

@@ -168,18 +168,26 @@ class VTCPolicy(Policy):
         return best
 
     def order(self, light: Callable[[str], bool] | None = None) -> Iterator[Seq]:
-        """Waiting requests in admission order, lazily: first every request of a ``light`` user, by
-        ``order_no``; then, among the other users within the tolerance of their least counter,
-        the head first in ``order_no``; the pick's user is charged its uncharged prompt on a local
-        copy between picks. O(U) to start for U backlogged users, O(log U) a pick."""
-        tol, price = self._tol, self.prompt_price
+        """Waiting requests in admission order, lazily: first the requests of ``light`` users, by
+        ``order_no``, each while its user's local counter is within the tolerance of the least
+        counter of the users not light (``light_first``); then, among the users left within the
+        tolerance of their least counter, the head first in ``order_no``; the pick's user is
+        charged its uncharged prompt on a local copy between picks. The tolerance is
+        ``band_tolerance``: 0 unless every backlogged user has the same weight. O(U) to start for
+        U backlogged users, O(log U) a pick."""
+        price = self.prompt_price
+        tol = fr.band_tolerance(self._tol, len({self.weight(u) for u in self._queues}) <= 1)
         local = {u: self.counter(u) for u in self._queues}
         pos = dict.fromkeys(self._queues, 0)
         if light is not None:
             heads = [(q[0].order_no, u) for u, q in self._queues.items() if light(u)]
+            others = [local[u] for u in self._queues if not light(u)]
+            cap = min(others) if others else None
             heapify(heads)
             while heads:
                 _, u = heappop(heads)
+                if cap is not None and not fr.light_first(local[u], cap, tol):
+                    continue  # its other requests wait in the band
                 q = self._queues[u]
                 seq = q[pos[u]]
                 yield seq
