@@ -101,11 +101,12 @@ class _Entry:
     """Batch's record of one vLLM request: the fields a ``Policy`` reads (``batch.core.state.Seq``'s
     names), the counts read through to vLLM's ``Request``."""
 
-    __slots__ = ("vreq", "user_id", "arrival_no", "num_prompt_tokens", "prompt_charged_tokens", "admit_no",
-                 "block_table", "queued", "awaits_first")
+    __slots__ = ("vreq", "user_id", "arrival_no", "order_no", "num_prompt_tokens", "prompt_charged_tokens",
+                 "admit_no", "block_table", "queued", "awaits_first")
 
     def __init__(self, vreq: Request, user_id: str, arrival_no: int) -> None:
         self.vreq, self.user_id, self.arrival_no = vreq, user_id, arrival_no
+        self.order_no = arrival_no  # place in the admission order; renumbered behind arrivals (requeue_behind)
         self.num_prompt_tokens = vreq.num_prompt_tokens
         self.prompt_charged_tokens = 0  # most prompt tokens ever computed: charged once
         self.admit_no = -1
@@ -565,7 +566,16 @@ class _FairMixin:
         return True
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any):
+        """vLLM's preemption (its only path back to ``waiting``). With ``Policy.requeue_behind`` and
+        another user live, a preempted decode (output tokens delivered) takes a new ``order_no``
+        behind every arrival so far before vLLM requeues it, as ``batch.core.step.apply`` does; one
+        preempted before its first token keeps its place. With one user live, vLLM's FCFS place
+        (its arrival: the head of a queue in arrival order), as for the victim (``_choose_victim``)."""
         self._victim_of = None  # ``running`` changed: the next victim is chosen afresh
+        if self.fair_policy.requeue_behind and len(self._live) > 1:
+            e = self._entries.get(request.request_id)
+            if e is not None and e.generated:
+                e.order_no = next(self._arrivals)
         return super()._preempt_request(request, *args, **kwargs)
 
     def _victim(self) -> Request | None:
