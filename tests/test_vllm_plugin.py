@@ -247,10 +247,9 @@ def _waiting_after_preempting_a_decode(users):
     return [q.request_id for q in s.waiting], s._entries["A0"].order_no
 
 
-def test_a_preempted_decode_waits_behind_every_arrival_while_another_user_is_live():
+def test_a_preempted_decode_keeps_its_arrival_place_in_its_users_queue():
     order, order_no = _waiting_after_preempting_a_decode(["B", "A"])
-    assert order == ["B1", "A2", "A0"] and order_no == 3  # VTCPolicy.requeue_behind: behind B1 and A2
-    # One user live: vLLM's FCFS place (the head), as vLLM's own Scheduler puts it back.
+    assert order == ["A0", "B1", "A2"] and order_no == 0  # no requeue_behind in the plugin (no resume-first)
     order, order_no = _waiting_after_preempting_a_decode(["A"])
     assert order == ["A0", "A1"] and order_no == 0
 
