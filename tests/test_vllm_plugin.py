@@ -81,7 +81,7 @@ def units(prompt, output):
 
 def test_admission_alternates_users_by_counter_where_vllm_takes_arrival_order():
     reqs = [("A0", "A", 30), ("A1", "A", 30), ("A2", "A", 30), ("A3", "A", 30), ("B0", "B", 30), ("B1", "B", 30)]
-    s = fair(VTCPolicy(isolation=False))
+    s = fair(VTCPolicy(isolation=False, tolerance_tokens=0))  # the band (default 8192) would keep arrival order
     plain = vc.make_vllm_scheduler()
     for sched in (s, plain):
         for rid, u, p in reqs:
@@ -91,7 +91,7 @@ def test_admission_alternates_users_by_counter_where_vllm_takes_arrival_order():
 
 
 def test_weights_give_a_heavier_user_more_admissions_first():
-    s = fair(VTCPolicy(weights={"A": 3}, isolation=False))
+    s = fair(VTCPolicy(weights={"A": 3}, isolation=False, tolerance_tokens=0))
     for i in range(4):
         s.add_request(vreq(f"A{i}", "A", 30, 5))
     for i in range(4):
@@ -227,6 +227,31 @@ def test_preemption_takes_the_marked_victim_the_policys_while_two_users_run():
     assert picked and set(picked) <= set(preempted)  # the policy chose while B ran
     assert "B0" not in preempted  # the light user's request is preempted last
     assert vc.run_vllm(heavy_and_light()).preemptions > 0
+
+
+def _waiting_after_preempting_a_decode(users):
+    """A0 (user A) admitted and decoding; then one request per entry of ``users`` arrives; A0 is
+    preempted before the next step. Returns the waiting queue's order and A0's order_no."""
+    import time
+    s = fair(VTCPolicy(isolation=False))
+    s.add_request(vreq("A0", "A", 30, 50))
+    produced = {}
+    step(s, produced)
+    step(s, produced)
+    assert s.requests["A0"].output_token_ids  # a decode
+    for i, u in enumerate(users):
+        s.add_request(vreq(f"{u}{i + 1}", u, 30, 5))
+    r = s.requests["A0"]
+    s.running.remove(r)
+    s._preempt_request(r, time.monotonic())
+    return [q.request_id for q in s.waiting], s._entries["A0"].order_no
+
+
+def test_a_preempted_decode_keeps_its_arrival_place_in_its_users_queue():
+    order, order_no = _waiting_after_preempting_a_decode(["B", "A"])
+    assert order == ["A0", "B1", "A2"] and order_no == 0  # no requeue_behind in the plugin (no resume-first)
+    order, order_no = _waiting_after_preempting_a_decode(["A"])
+    assert order == ["A0", "A1"] and order_no == 0
 
 
 def test_one_user_behaves_as_vllms_fcfs():

@@ -101,11 +101,12 @@ class _Entry:
     """Batch's record of one vLLM request: the fields a ``Policy`` reads (``batch.core.state.Seq``'s
     names), the counts read through to vLLM's ``Request``."""
 
-    __slots__ = ("vreq", "user_id", "arrival_no", "num_prompt_tokens", "prompt_charged_tokens", "admit_no",
-                 "block_table", "queued", "awaits_first")
+    __slots__ = ("vreq", "user_id", "arrival_no", "order_no", "num_prompt_tokens", "prompt_charged_tokens",
+                 "admit_no", "block_table", "queued", "awaits_first")
 
     def __init__(self, vreq: Request, user_id: str, arrival_no: int) -> None:
         self.vreq, self.user_id, self.arrival_no = vreq, user_id, arrival_no
+        self.order_no = arrival_no  # place in the admission order (kept on preemption: _preempt_request)
         self.num_prompt_tokens = vreq.num_prompt_tokens
         self.prompt_charged_tokens = 0  # most prompt tokens ever computed: charged once
         self.admit_no = -1
@@ -565,6 +566,10 @@ class _FairMixin:
         return True
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any):
+        """vLLM's preemption (its only path back to ``waiting``). The request keeps its
+        ``order_no`` (its arrival): unlike Batch's core (``Policy.requeue_behind``), the plugin
+        has no resume-first step, so a preempted decode renumbered behind every arrival stalled
+        its stream (TPOT p99 1.2-1.3 s against vLLM's 52 ms on trace2k)."""
         self._victim_of = None  # ``running`` changed: the next victim is chosen afresh
         return super()._preempt_request(request, *args, **kwargs)
 
