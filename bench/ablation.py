@@ -305,7 +305,7 @@ class Config:
     def quick(cls) -> "Config":
         """One seed, the small workloads, one short anchor trace: what the test runs."""
         return cls(seeds=1, workloads=("long-kv",), anchors=(vc.AB_TRACE,), balanced=(vc.AB_TRACE,),
-                   tolerances=(2048, fr.TOLERANCE_TOKENS), long_seeds=1, overload_per_user=40, flood=100, cap_cases=3,
+                   tolerances=(2048, fr.TOLERANCE_TOKENS), long_seeds=1, overload_per_user=80, flood=100, cap_cases=3,
                    wait_cases=3, longs_seeds=1, longs_shorts=100, attack_streams=8, attack_horizon_s=24.0,
                    probe_streams=20, probe_ticks=(300, 600), quick_workloads=True)
 
