@@ -532,10 +532,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         reservation holder is admitted within ``Q + ticks_to_drain_bound(K, L) + 1`` ticks of
         taking the reservation: it is tried first once no request is protected (one is protected
         at most ``Q`` ticks), and then may take room from every resident request that is not
-        pinned. (Since issue 38 a waiting request may be the first that does not fit longer than
-        ``admission_wait_bound(T, L)`` ticks, the bound ``no_starvation_aging`` proves on the old
-        abstraction: while a holder waits behind a protected request, the candidates after it
-        that do not fit are blocked heads and age; hypothesis found 96 ticks against 95.) Where
+        pinned. ``no_starvation_holder`` proves one tick less, ``fairness_rules.holder_wait_bound``,
+        on an abstraction of the rules, assuming the pinned requests leave the holder room. (Since
+        issue 38 a waiting request may be the first that does not fit longer than
+        ``admission_wait_bound(T, L)`` ticks, the bound of the rules before it: while a holder
+        waits behind a protected request, the candidates after it that do not fit are blocked heads
+        and age; hypothesis found 96 ticks against 95.) Where
         the token budget can bind the bound does not apply (a resident request may not run for
         lack of budget); the drain in ``teardown`` remains."""
         s = self.sched

@@ -42,7 +42,8 @@ def test_python_m_spec_verify_proves_every_check():
     has its time budget, so a solver that gets stuck makes this fail, not hang)."""
     verify._load_plugins()
     assert set(verify.CHECKS) >= {"kv_cap_per_transition", "kv_cap_tick", "kv_cap_bmc", "no_starvation_fcfs",
-                                  "no_starvation_fcfs_inductive", "vtc_counter_gap", "no_starvation_aging"}
+                                  "no_starvation_fcfs_inductive", "vtc_counter_gap", "no_starvation_holder",
+                                  "anti_thrash", "vtc_counter_gap_paths"}
     proc = subprocess.run([sys.executable, "-m", "spec.verify"], cwd=ROOT, capture_output=True, text=True,
                           timeout=30 + 2 * len(verify.CHECKS) * verify.Options().budget_s)
     n = len(verify.CHECKS)
