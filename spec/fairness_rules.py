@@ -323,6 +323,21 @@ def admission_wait_bound(aging_ticks: Int, max_work_ticks: Int) -> Int:
     return aging_ticks + max_work_ticks + 1
 
 
+def holder_wait_bound(quantum_ticks: Int, max_sit_out_ticks: Int, max_work_ticks: Int) -> Int:
+    """Ticks within which the reservation holder is admitted after the tick it took the
+    reservation: ``Q + ticks_to_drain_bound(K, L) = Q + (K + 1) L``. A protected request (at most
+    one, admitted in an earlier tick) shields its blocks fewer than ``Q`` more ticks
+    (``protected``); after that the holder is tried first in every tick that runs admission and
+    takes room from every resident request admitted before the tick that is not pinned, so only
+    the slot cap (``max_running``) or a growth preemption holds it back, and neither admits anyone
+    else: the residents drain within ``(K + 1) L`` ticks, counting the tick that admits it.
+    Assumptions (the proof ``no_starvation_holder``, ``docs/fairness.md`` section 4): the token
+    budget never binds, a resident request needs at most ``L`` more iterations, the pinned
+    requests' blocks leave room for the holder's (none are pinned at the default
+    ``max_preemptions=None``), no prefix caching. The stateful test asserts one tick more."""
+    return quantum_ticks + ticks_to_drain_bound(max_sit_out_ticks, max_work_ticks)
+
+
 # ---------------------------------------------------------------- TTFT isolation
 
 

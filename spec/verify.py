@@ -32,8 +32,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from spec import lifecycle as lc
+from spec import fairness_rules as fr
 from spec import model, rules
-from spec.invariants import ABSENT, STATE_CODE, fcfs_order, is_final, is_resident, is_waiting
+from spec.invariants import (ABSENT, STATE_CODE, chunk_within_limit, fcfs_order, is_final, is_resident, is_waiting,
+                             kv_within_cap)
 from spec.logic import And, If, Implies, Not, Or, Sum
 from spec.model import Cfg, Choices, Req
 
@@ -593,6 +595,137 @@ def check_kv_cap_tick(opts: Options) -> Outcome:
         values["admit_after_preempt"] = _val(m, ch.admit_after_preempt)
         return StateCounterexample("tick", bad, values)
     return _outcome(status, info, bound, cex)
+
+
+class _Loop:
+    """The state of ``model.tick``'s loops between two steps, summarised over any number of
+    requests: ``free`` blocks, ``held_in`` (blocks held, with this plan's grants, by the requests
+    in the batch so far), ``held_out`` (by resident requests not in it), ``kv_in`` (their
+    ``blocks_for(num_tokens)``, what ``forward`` counts), ``spent`` (their tokens) and the
+    ``budget`` left."""
+
+    def __init__(self, tag: str) -> None:
+        z3 = _z3()
+        self.free, self.held_in, self.held_out, self.kv_in, self.spent, self.budget = z3.Ints(
+            " ".join(f"{x}_{tag}" for x in ("free", "held_in", "held_out", "kv_in", "spent", "budget_left")))
+
+    def inv(self, cap: Any, budget: Any, sub: dict | None = None) -> list[tuple[str, Any]]:
+        """The loop invariant, after the substitution ``sub`` (field -> value) when given."""
+        v = {k: getattr(self, k) for k in ("free", "held_in", "held_out", "kv_in", "spent", "budget")} | (sub or {})
+        return [("free >= 0", v["free"] >= 0),
+                ("ledger: free + held_in + held_out = cap", v["free"] + v["held_in"] + v["held_out"] == cap),
+                ("held_out >= 0", v["held_out"] >= 0),
+                ("0 <= kv_in <= held_in (the batch is covered)", And(0 <= v["kv_in"], v["kv_in"] <= v["held_in"])),
+                ("spent + budget_left = budget, budget_left >= 0",
+                 And(v["spent"] >= 0, v["budget"] >= 0, v["spent"] + v["budget"] == budget))]
+
+
+def _loop_steps(lp: _Loop, cfg: Cfg) -> list[tuple[str, list, dict, list]]:
+    """The steps ``model.tick``'s loops are made of, each on one request with the others summarised:
+    ``(name, guard, after (field -> value), element goals)``."""
+    z3 = _z3()
+    B = cfg.block_tokens
+    steps = []
+    # a request of the batch leaves it: a growth or room victim granted this plan, a late
+    # preemption, an admission taken back, or a finish in update_from_output (its blocks come
+    # back); its share of the sums is an element of sums of non-negative terms
+    held, kv, k = z3.Ints("victim_held victim_kv victim_tokens")
+    guard = [0 <= kv, kv <= held, held <= lp.held_in, kv <= lp.kv_in, held - kv <= lp.held_in - lp.kv_in,
+             0 <= k, k <= lp.spent]
+    steps.append(("a request leaves the batch (victim granted this plan, late preemption, admission taken back, "
+                  "finish)", guard, {"free": lp.free + held, "held_in": lp.held_in - held, "kv_in": lp.kv_in - kv,
+                                     "spent": lp.spent - k, "budget": lp.budget + k}, []))
+    h = z3.Int("victim_held_out")
+    steps.append(("a resident request not in the batch is preempted (growth, room, late preemption)",
+                  [0 <= h, h <= lp.held_out], {"free": lp.free + h, "held_out": lp.held_out - h}, []))
+    r = _sym_req("r")
+    need = rules.growth_blocks(r.h, r.n, B)
+    n_new = rules.chunk_tokens(r.n, r.nc, cfg.chunk_tokens, lp.budget)
+    guard = [And(*(p for _, p in model.request_named(r, cfg))),
+             is_resident(r.st), 0 <= r.h, r.h <= lp.held_out, lp.budget > 0, rules.can_allocate(lp.free, need),
+             n_new > 0]
+    steps.append(("a running request grows and joins the batch (its while loop ended: its blocks fit)", guard,
+                  {"free": lp.free - need, "held_out": lp.held_out - r.h, "held_in": lp.held_in + r.h + need,
+                   "kv_in": lp.kv_in + rules.blocks_for(r.n, B), "spent": lp.spent + n_new,
+                   "budget": lp.budget - n_new},
+                  [("its blocks cover it", And(0 <= rules.blocks_for(r.n, B), rules.blocks_for(r.n, B) <= r.h + need)),
+                   ("chunk_within_limit", chunk_within_limit(n_new, cfg.chunk_tokens))]))
+    w = _sym_req("w")
+    extra, headroom = z3.Ints("extra_blocks headroom_blocks")
+    need_w = rules.blocks_needed(w.n, B) + extra
+    n_w = rules.chunk_tokens(w.n, 0, cfg.chunk_tokens, lp.budget)
+    guard = [And(*(p for _, p in model.request_named(w, cfg))), is_waiting(w.st), extra >= 0, headroom >= 0,
+             lp.budget > 0, fr.can_admit(lp.free, need_w, headroom)]
+    steps.append(("a waiting request is admitted (any extra blocks and headroom)", guard,
+                  {"free": lp.free - need_w, "held_in": lp.held_in + need_w,
+                   "kv_in": lp.kv_in + rules.blocks_for(w.n, B), "spent": lp.spent + n_w, "budget": lp.budget - n_w},
+                  [("its blocks cover it", And(0 <= rules.blocks_for(w.n, B), rules.blocks_for(w.n, B) <= need_w)),
+                   ("chunk_within_limit", chunk_within_limit(n_w, cfg.chunk_tokens))]))
+    return steps
+
+
+@register("kv_cap_tick_loop",
+          "kv_cap_tick for any number of requests in flight: a loop invariant (free >= 0; free + blocks held by "
+          "the batch + blocks held by the other residents = cap; the batch's kv_blocks_for <= its blocks; tokens "
+          "spent + budget left = budget) holds at the tick's start under Inv and is kept by every step "
+          "model.tick's loops are made of (a request leaves the batch, a resident outside it is preempted, a "
+          "running request grows and joins it, a waiting request is admitted), so forward's batch is within the "
+          "cap and the budget and the ledger is exact after the tick; each request's own path through a tick "
+          "(model.tick on its slot with any policy choice and any free blocks and budget left at its turn) keeps "
+          "its invariants")
+def check_kv_cap_tick_loop(opts: Options) -> Outcome:
+    """Inductive steps over the loop state ``_Loop``; the per-request part is ``model.tick`` on one slot."""
+    z3 = _z3()
+    cfg = _sym_cfg(opts.block_tokens)
+    bound = (f"any number of requests in flight, any cap, chunk, budget, max_running; B = {opts.block_tokens}; any "
+             f"policy choice; the composition of the steps is model.tick's loops (read from its code)")
+    lp = _Loop("0")
+    base = [cfg.ok()]
+    pre = [g for _, g in lp.inv(cfg.cap_blocks, cfg.budget_tokens)]
+    # the start: Inv (the ledger) gives the invariant with an empty batch
+    free0, held0 = z3.Ints("free_blocks_at_start held_by_residents")
+    start = lp.inv(cfg.cap_blocks, cfg.budget_tokens, {"free": free0, "held_in": 0, "held_out": held0, "kv_in": 0,
+                                                       "spent": 0, "budget": cfg.budget_tokens})
+    status, info = _prove([*base, free0 >= 0, held0 >= 0, free0 + held0 == cfg.cap_blocks], start, opts.timeout_s)
+    if status != "proved":
+        return Outcome(status if status != "counterexample" else "counterexample", bound, f"start: {status}")
+    for name, guard, after, elem in _loop_steps(lp, cfg):
+        goals = lp.inv(cfg.cap_blocks, cfg.budget_tokens, after) + elem
+        status, info = _prove([*base, *pre, *guard], goals, opts.timeout_s)
+        if status == "counterexample":
+            m, bad = info
+            values = _cfg_values(m, cfg) | {d.name(): m[d] for d in m.decls() if not d.name().startswith(
+                ("cap_", "chunk_", "budget_tokens", "max_running"))}
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(name, bad, values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"{name}: {status} {info or ''}")
+    # what the invariant gives: forward's facts, and the ledger after the tick (the batch's blocks
+    # stay held or come back at a finish, a step above)
+    facts = [("batch_kv_within_cap: kv_in <= cap", lp.kv_in <= cfg.cap_blocks),
+             ("batch_within_budget: spent <= budget", lp.spent <= cfg.budget_tokens),
+             ("kv_within_cap after the tick", kv_within_cap(cfg.cap_blocks - lp.free, cfg.cap_blocks)),
+             ("kv_used_is_sum_held after the tick", cfg.cap_blocks - lp.free == lp.held_in + lp.held_out)]
+    status, info = _prove([*base, *pre], facts, opts.timeout_s)
+    if status != "proved":
+        return Outcome("counterexample" if status == "counterexample" else "unknown", bound, f"facts: {status}")
+    # each request's own path, the others as the free blocks and budget left at its turn
+    r = _sym_req("r")
+    free_env, budget_env = z3.Ints("free_at_its_turn budget_at_its_turn")
+    env = Cfg(cfg.cap_blocks, cfg.block_tokens, cfg.chunk_tokens, budget_env, cfg.max_running)
+    ch = _any_policy(1)
+    res = model.tick([r], free_env, env, ch)
+    pre1 = [cfg.ok(), budget_env >= 1, budget_env <= cfg.budget_tokens, free_env >= 0,
+            And(*(p for _, p in model.request_named(r, cfg))), *ch.assumptions]
+    goals1 = model.request_named(res.reqs[0], cfg) + [(n, g) for n, g in res.facts
+                                                       if n in ("chunk_within_limit", "one_token_per_tick")]
+    status, info = _prove(pre1, goals1, opts.timeout_s)
+
+    def cex(m: Any, bad: list[str]) -> StateCounterexample:
+        return StateCounterexample("one request's path through a tick", bad, _cfg_values(m, cfg) | {
+            "request": _req_values(m, r), "after": _req_values(m, res.reqs[0]),
+            "free at its turn": _val(m, free_env), "budget at its turn": _val(m, budget_env)})
+    return _outcome(status, info, bound, cex, "unsat for the start, every step, the facts and a request's path; "
+                                              "assumptions sat")
 
 
 @register("decode_fast_path",

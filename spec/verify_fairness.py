@@ -1,6 +1,7 @@
-"""z3 checks of the fairness rules: the VTC counter gap (inductive, bounded, across replicas), the lift, aging, sit-outs.
+"""z3 checks of the fairness rules: the VTC counter gap (inductive, every admission path, bounded,
+across replicas), the lift, no starvation (aging and the reservation holder), anti-thrash, sit-outs.
 
-A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers six
+A plugin of ``spec.verify`` (listed in its ``PLUGINS``): importing this module registers eight
 checks, run with the others by ``python -m spec.verify`` (``--only vtc_counter_gap`` etc.).
 Every check evaluates the functions of ``spec.fairness_rules`` that ``batch/core/step.py`` and
 ``batch/policies/vtc.py`` call, on z3 terms, looked up as ``fr.NAME`` at call time
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from spec import fairness_rules as fr
+from spec import rules
 from spec.logic import And, If, Implies, Max, Min, Not, Or, Sum
 from spec.verify import Options, Outcome, StateCounterexample, _outcome, _prove, _val, _z3, register
 
@@ -26,12 +28,6 @@ GAP_WEIGHTS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (1, 3), (16, 5))
 #: Limits of the workload in ``docs/fairness.md`` section 5, for the printed comparison.
 EXAMPLE_MAX_PROMPT_TOKENS = 199
 EXAMPLE_MAX_OUTPUT_TOKENS = 99
-
-#: The bounded no-starvation run: aging ``T``, sit-out cap ``K``, work ``L`` (iterations a
-#: resident request still needs at worst: prompt chunks plus ``max_tokens``; it may finish
-#: sooner), resident slots, cache blocks, tokens per block, extra ticks beyond the bound
-#: (uncounted ticks before the reservation).
-AGING_T, AGING_K, AGING_L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, AGING_EXTRA = 3, 2, 3, 3, 6, 2, 2
 
 #: Sit-out caps ``K`` of the bounded sit-out check (plus the symbolic inductive step).
 SIT_OUT_KS: tuple[int, ...] = (0, 1, 3, 8)
@@ -274,135 +270,173 @@ def check_vtc_lift(opts: Options) -> Outcome:
     return _outcome(status, info, bound, cex)
 
 
-# ---------------------------------------------------------------- 3. no starvation with aging
+# ---------------------------------------------------------------- 3. no starvation: aging and the reservation
 
 
-def _aging_run(T: int, K: int, L: int, slots: int, cap: int, B: int, depth: int) -> tuple[list, list, dict]:
-    """Unroll ``depth`` ticks of the aging abstraction; returns (assumptions, goals, trace terms).
+def _aging_step() -> tuple[list, list[tuple[str, Any]]]:
+    """Phase A, the blocked head's count (``step.apply``): in a tick where ``b`` is the plan's
+    blocked head (``counted``) its ``blocked_ticks`` grows by one, whether or not the hold
+    (``hold_elapsed``, any ``W``) lets later candidates pass it; the reservation goes to it when
+    ``reserved_after`` holds and no one holds the reservation after the tick's admissions."""
+    z3 = _z3()
+    T, W, b = z3.Ints("aging_T hold_W blocked_ticks")
+    counted, held = z3.Bools("counted held_by_another")
+    passed = fr.hold_elapsed(b, W)  # later candidates pass b or wait: its count is the same
+    b1 = b + If(counted, 1, 0)
+    reserved = And(counted, Not(held), fr.reserved_after(b1, T))
+    rank, rank1 = Max(T - b, 0), Max(T - b1, 0)
+    pre = [T >= 1, W >= 0, b >= 0, Or(passed, Not(passed))]
+    goals = [("a counted tick brings the reservation one tick nearer (ranking max(T - blocked, 0))",
+              Implies(And(counted, rank >= 1), rank1 == rank - 1)),
+             ("after T counted ticks, at the first with no reservation held, it holds the reservation",
+              Implies(And(counted, Not(held), rank <= 1), reserved)),
+             ("not before T counted ticks", Implies(b1 < T, Not(reserved)))]
+    return pre, goals
 
-    The waiting request r (``need_r`` blocks, admissible: ``<= cap``) is the first candidate
-    that does not fit whenever it does not fit (admission stops there: no backfill); everything
-    else is the adversary: which other request is admitted ahead of r before its reservation (the
-    policy's order, a returning user's lift, a resume-first trial, room made for a light user),
-    none once r holds it (the reservation goes first and nothing else is admitted until it fits);
-    resident work ``rem <= L`` iterations (prompt chunks plus ``max_tokens``); early finishes
-    (EOS); growth by a block; preemptions (growth, or room for a light user, which may be r);
-    which ticks are isolated (within ``sit_out_allowed``), which residents sit out in them, and
-    whether an isolated tick defers r's admission (never the reservation holder's).
+
+def _holder_step() -> tuple[list, list[tuple[str, Any]], dict[str, Any]]:
+    """Phases P and D: one tick of a waiting reservation holder ``h``, any ``Q``, ``K``, ``L``,
+    slot cap and cache (``docs/fairness.md`` section 4).
+
+    State: the tick ``t``; whether ``State.protected`` is set (``hp``) and its admission tick
+    ``ap``; the residents ``n`` and ``D``, the most iterations any of them still needs (``0 <= D
+    <= L``, ``D = 0`` iff ``n = 0``); the streak of isolated ticks; the free blocks, the blocks of
+    resident requests that are not pinned and of those that are. The tick: while the protected
+    request is ``protected`` (phase P) ``h`` is an ordinary candidate (admitted or not, the
+    adversary's choice) and the residents change in any way the assumptions allow; otherwise
+    (phase D) ``h`` is tried first in a tick without a growth preemption below the slot cap, and
+    admitted if its blocks fit (``can_admit``, no headroom) or fit once every resident request is
+    preempted (all were admitted before the tick and none is protected; the pinned ones are not
+    victims, ``may_preempt``): so no other request is admitted, the residents only leave, and each
+    runs in a tick that is not isolated (the budget never binds). Isolated ticks within
+    ``sit_out_allowed``, ``next_streak``.
     """
     z3 = _z3()
-    # Bit-vectors, as in ``spec.verify.unroll``: every quantity is small, and z3 decides them by
-    # bit-blasting far faster than integer arithmetic full of if-then-else. The width leaves
-    # room for sign and for sums of ``slots`` values (comparisons are signed).
-    width = (2 * (max(depth, L, slots * (cap + 1)) + cap)).bit_length() + 1
+    Q, K, L, S, cap, need = z3.Ints("quantum_Q sit_out_K work_L max_running cap_blocks need_h")
+    t, ap, D, n, s, free, used, pin = z3.Ints("tick protected_admit_tick work_left residents streak free_blocks "
+                                              "nonpinned_blocks pinned_blocks")
+    D1, n1, s1, free1, used1, pin1 = z3.Ints("work_left' residents' streak' free_blocks' nonpinned_blocks' "
+                                             "pinned_blocks'")
+    hp, hp1, ordinary, growth, iso = z3.Bools("protected_set protected_set' admitted_as_ordinary "
+                                              "growth_preempted isolated")
+    t1 = t + 1
+    params = [Q >= 1, K >= 0, L >= 1, S >= 1, cap >= 1, need >= 1, need <= cap]
 
-    def var(name: str) -> Any:
-        return z3.BitVec(name, width)
-    zero, one = z3.BitVecVal(0, width), z3.BitVecVal(1, width)
-    asm: list = []
-    need_r = var("need_r")
-    rem = [var(f"rem{j}_0") for j in range(slots)]
-    h = [var(f"blocks{j}_0") for j in range(slots)]
-    streak = var("streak_0")
-    asm += [need_r >= 1, need_r <= cap, streak >= 0, streak <= K]
-    for j in range(slots):
-        asm += [rem[j] >= 0, rem[j] <= L, Implies(rem[j] > 0, And(h[j] >= 1, h[j] <= cap)),
-                Implies(rem[j] == 0, h[j] == 0)]
-    asm.append(Sum(h) <= cap)
-    admitted, blocked, reserved, counted = z3.BoolVal(False), zero, z3.BoolVal(False), zero
-    goals, trace = [], {"need_r": need_r, "ticks": []}
-    bound = fr.admission_wait_bound(T, L)
-    for t in range(depth):
-        pre = [z3.Bool(f"preempt{j}_{t}") for j in range(slots)]
-        grow = [z3.Bool(f"grow{j}_{t}") for j in range(slots)]
-        room = z3.Bool(f"room_{t}")  # the preemptions made room for an admission (growth ones stop admission)
-        asm += [Implies(pre[j], rem[j] > 0) for j in range(slots)]
-        asm += [Implies(grow[j], And(rem[j] > 0, Not(pre[j]))) for j in range(slots)]
-        h1 = [If(pre[j], 0, h[j] + If(grow[j], one, zero)) for j in range(slots)]
-        rem1 = [If(pre[j], 0, rem[j]) for j in range(slots)]
-        asm.append(Sum(h1) <= cap)  # growth takes free blocks (else the scheduler preempts)
-        growth_pre = And(Or(*pre), Not(room))
-        free1 = cap - Sum(h1)
-        resident = Sum([If(r > 0, one, zero) for r in rem1])
-        # another request admitted this tick (into an empty slot), ahead of r: never past it
-        other = [z3.Bool(f"admit_other{j}_{t}") for j in range(slots)]
-        o_need, o_rem = var(f"other_need_{t}"), var(f"other_work_{t}")
-        asm += [Implies(other[j], rem1[j] == 0) for j in range(slots)]
-        asm += [Sum([If(o, one, zero) for o in other]) <= 1, o_need >= 1, o_need <= cap,
-                o_rem >= 1, o_rem <= L]
-        some_other = Or(*other)
-        headroom = fr.growth_headroom_blocks(resident, B)
-        free2 = free1 - If(some_other, o_need, 0)
-        res2 = resident + If(some_other, one, zero)
-        fits_r = fr.can_admit(free2, need_r, If(reserved, 0, fr.growth_headroom_blocks(res2, B)))
-        tried = And(Not(admitted), Not(growth_pre))  # admission runs only in a tick without a growth preemption
-        iso = z3.Bool(f"isolated_{t}")
-        deferred = z3.Bool(f"deferred_{t}")  # r fit but the isolated tick kept only a light user's prefill
-        asm += [Implies(deferred, And(iso, Not(reserved)))]
-        adm_r = And(tried, fits_r, Not(deferred))
-        asm.append(Implies(some_other, And(Not(admitted), Not(growth_pre), Not(reserved),
-                                           fr.can_admit(free1, o_need, headroom))))
-        asm.append(Implies(room, Or(some_other, And(tried, fits_r))))  # room is made for an admission
-        is_blocked = And(tried, Not(fits_r))
-        blocked1 = blocked + If(is_blocked, one, zero)
-        reserved1 = Or(reserved, And(is_blocked, fr.reserved_after(blocked1, T)))
-        counted1 = counted + If(And(Not(admitted), Not(iso), Or(reserved, Not(growth_pre))), one, zero)
-        # the iteration: isolated ticks within the cap; residents sit out only in them
-        sits = [z3.Bool(f"sits_out{j}_{t}") for j in range(slots)]
-        asm.append(Implies(iso, fr.sit_out_allowed(streak, K)))
-        asm += [Implies(sits[j], iso) for j in range(slots)]
-        # an early finish (EOS): a resident that runs this tick may leave, whatever rem said
-        runs = [And(rem1[j] > 0, Not(sits[j])) for j in range(slots)]
-        eos = [z3.Bool(f"early_finish{j}_{t}") for j in range(slots)]
-        asm += [Implies(eos[j], runs[j]) for j in range(slots)]
-        rem2 = [If(other[j], o_rem, If(runs[j], If(eos[j], 0, rem1[j] - 1), rem1[j])) for j in range(slots)]
-        h2 = [If(other[j], o_need, If(rem2[j] == 0, 0, h1[j])) for j in range(slots)]
-        streak1 = fr.next_streak(streak, iso)
-        admitted = Or(admitted, adm_r)
-        # name the state after the tick with fresh variables (flat terms)
-        nxt_rem = [var(f"rem{j}_{t + 1}") for j in range(slots)]
-        nxt_h = [var(f"blocks{j}_{t + 1}") for j in range(slots)]
-        nxt = [var(f"{x}_{t + 1}") for x in ("streak", "blocked", "counted")]
-        nadm, nres = z3.Bools(f"admitted_{t + 1} reserved_{t + 1}")
-        asm += [a == b for a, b in zip(nxt_rem, rem2)] + [a == b for a, b in zip(nxt_h, h2)]
-        asm += [nxt[0] == streak1, nxt[1] == blocked1, nxt[2] == counted1, nadm == admitted, nres == reserved1]
-        rem, h, streak, blocked, counted, admitted, reserved = nxt_rem, nxt_h, nxt[0], nxt[1], nxt[2], nadm, nres
-        trace["ticks"].append({"rem": rem, "blocks": h, "streak": streak, "blocked_ticks": blocked,
-                               "counted": counted, "admitted": admitted, "reserved": reserved, "isolated": iso,
-                               "preempted": pre, "room": room, "early finish": eos, "other admitted": some_other,
-                               "deferred": deferred, "other work": If(some_other, o_rem, zero)})
-        goals.append((f"r admitted once {bound} counted ticks passed (tick {t})", Implies(counted >= bound, admitted)))
-    return asm, goals, trace
+    def env(D: Any, n: Any, free: Any, used: Any, pin: Any, hp: Any, ap: Any, t: Any) -> list:
+        """The code's invariants the proof assumes of every state (``docs/fairness.md`` section 4)."""
+        return [0 <= D, D <= L, n >= 0, n <= S, (n == 0) == (D == 0), Implies(hp, And(n >= 1, ap <= t - 1)),
+                free >= 0, used >= 0, pin >= 0, free + used + pin == cap, need + pin <= cap]
+
+    def rank(t: Any, s: Any, D: Any, hp: Any) -> Any:
+        prot = And(hp, fr.protected(True, ap, t, Q))
+        return If(prot, Q - (t - ap) + (K + 1) * L + 1, Max((K + 1) * D - s, 0) + 1)
+
+    prot = And(hp, fr.protected(True, ap, t, Q))
+    tried = And(Not(prot), Not(growth), n < S)  # the holder is the first candidate
+    fits = Or(fr.can_admit(free, need, 0), rules.can_allocate(free + used, need))
+    admitted = Or(And(prot, ordinary), And(tried, fits))
+    pre = [*params, *env(D, n, free, used, pin, hp, ap, t), 0 <= s, s <= K,
+           Implies(iso, fr.sit_out_allowed(s, K)), s1 == fr.next_streak(s, iso),
+           Implies(growth, n >= 1),  # a growth preemption has a victim among the residents
+           Implies(hp1, hp),  # only h becomes protected (at its admission); the protected one only leaves
+           *env(D1, n1, free1, used1, pin1, hp1, ap, t1),
+           # phase D: no admission but h's; residents only leave (a growth victim leaves), pinned ones too,
+           # and in a tick that is not isolated each runs one iteration (D = 0: none left)
+           Implies(Not(prot), And(n1 <= n - If(growth, 1, 0), pin1 <= pin,
+                                  D1 <= D - If(iso, 0, 1) + If(D == 0, 1, 0), D1 <= D))]
+    v, v1 = rank(t, s, D, hp), rank(t1, s1, D1, hp1)
+    goals = [("the ranking is at most holder_wait_bound(Q, K, L) = Q + (K+1) L",
+              v <= fr.holder_wait_bound(Q, K, L)),
+             ("while a request is protected, its protection ends within Q ticks",
+              Implies(prot, And(Q - (t - ap) >= 1, Q - (t - ap) <= Q))),
+             ("the ranking is positive", v >= 1),
+             ("h is admitted, or the ranking drops by at least one", Or(admitted, v1 <= v - 1)),
+             ("0 <= streak' <= K", And(s1 >= 0, s1 <= K))]
+    named = {"Q": Q, "K": K, "L": L, "max_running": S, "cap": cap, "need_h": need, "tick": t,
+             "protected set, admitted at": (hp, ap), "residents, work left": (n, D), "streak": s,
+             "free, non-pinned, pinned blocks": (free, used, pin), "growth preempted": growth, "isolated": iso,
+             "after: residents, work left, streak, protected set": (n1, D1, s1, hp1), "admitted": admitted,
+             "ranking before, after": (v, v1)}
+    return pre, goals, named
 
 
-@register("no_starvation_aging",
-          "an admissible waiting request r that is the first candidate not fitting is admitted within "
-          "admission_wait_bound(T, L) = T + L + 1 counted ticks (ticks that are not isolated and, before its "
-          "reservation, ran admission: no growth preemption), whatever else is admitted ahead of it before its "
-          "reservation (nothing passes it: no backfill; nothing is admitted while it holds the reservation), "
-          "whichever residents are preempted, finish early (EOS) or sit out, and whether isolated ticks defer it, "
-          "under the fairness assumption (a resident request needs <= L more iterations at worst; tick() keeps "
-          "being called); isolated ticks come at most K in a row (sit_out_bound)")
-def check_no_starvation_aging(opts: Options) -> Outcome:
-    """Bounded model checking of the abstraction in ``_aging_run`` (rules: ``can_admit``,
-    ``growth_headroom_blocks``, ``reserved_after``, ``sit_out_allowed``, ``next_streak``,
-    ``admission_wait_bound``)."""
-    T, K, L = AGING_T, AGING_K, AGING_L
-    bound_ticks = fr.admission_wait_bound(T, L)
-    depth = bound_ticks + AGING_EXTRA
-    asm, goals, trace = _aging_run(T, K, L, AGING_SLOTS, AGING_CAP_BLOCKS, AGING_BLOCK_TOKENS, depth)
-    bound = (f"T={T}, K={K}, L={L}: bound {bound_ticks} counted ticks; depth {depth} ticks; {AGING_SLOTS} resident "
-             f"slots, cap {AGING_CAP_BLOCKS} blocks of {AGING_BLOCK_TOKENS} tokens, any r (need <= cap), one "
-             f"other admission per tick ahead of r, early finishes, room preemptions, isolation deferrals")
-    status, info = _prove(asm, goals, opts.timeout_s, split=False)
+@register("no_starvation_holder",
+          "the default policy's no-starvation bound, for any T, W, Q >= 1, K, L, slot cap and cache: a blocked head "
+          "(the first candidate getting no room) is granted the reservation at the end of its T-th counted tick "
+          "(a tick it is the blocked head; the hold W lets others pass but does not stop its count), or of its first "
+          "counted tick after that with no reservation held (reserved_after; ranking max(T - blocked_ticks, 0)); "
+          "a reservation holder is admitted within holder_wait_bound(Q, K, L) = Q + (K+1) L ticks after the tick "
+          "it took it (ranking: Q - (t - a_p) + (K+1) L + 1 while a request is protected, else "
+          "max((K+1) D - streak, 0) + 1, D the most iterations a resident still needs): at most Q ticks behind the "
+          "protected request (protected), then tried first, with room from every resident admitted before the "
+          "tick that is not pinned (can_admit, can_allocate, may_preempt), held back only by the slot cap or a "
+          "growth preemption, neither of which admits another request; isolated ticks sit_out_allowed / "
+          "next_streak. Assumptions: the token budget never binds, a resident needs <= L more iterations, "
+          "need_h + pinned blocks <= cap (no pinning at the default), no prefix caching, tick() keeps being called")
+def check_no_starvation_holder(opts: Options) -> Outcome:
+    """Two inductive steps over z3 integers (nonlinear: ``(K+1) * D``): the aging count, the holder's tick."""
+    bound = "unbounded: any T >= 1, W >= 0, Q >= 1, K >= 0, L >= 1, max_running >= 1, cap, need_h <= cap; any tick"
+    pre, goals = _aging_step()
+    status, info = _prove(pre, goals, opts.timeout_s)
+    if status == "counterexample":
+        m, bad = info
+        return Outcome("counterexample", bound, counterexample=StateCounterexample(
+            "a tick of the blocked head", bad, {d.name(): m[d] for d in m.decls()}))
+    if status != "proved":
+        return Outcome("unknown", bound, f"aging step: {status} {info or ''}")
+    pre, goals, named = _holder_step()
+    status, info = _prove(pre, goals, opts.timeout_s)
 
     def cex(m: Any, bad: list[str]) -> StateCounterexample:
-        values: dict[str, Any] = {"need_r": _val(m, trace["need_r"])}
-        for t, s in enumerate(trace["ticks"]):
-            values[f"after tick {t}"] = ", ".join(
-                f"{k} {[_val(m, x) for x in v] if isinstance(v, list) else _val(m, v)}" for k, v in s.items())
-        return StateCounterexample(f"run of {depth} ticks", bad[:1], values)
-    return _outcome(status, info, bound, cex)
+        values = {k: tuple(_val(m, x) for x in v) if isinstance(v, tuple) else _val(m, v) for k, v in named.items()}
+        return StateCounterexample("a tick of the reservation holder", bad, values)
+    out = _outcome(status, info, bound, cex)
+    if out.status == "proved":
+        out.detail = ("aging step and holder step unsat; assumptions sat. At the defaults (T=32, W=8, Q=128, K=8): "
+                      f"holder_wait_bound = 128 + 9 L ticks, e.g. {fr.holder_wait_bound(128, 8, 64)} for L = 64; the "
+                      "stateful test asserts one tick more")
+    return out
+
+
+# ---------------------------------------------------------------- 3'. anti-thrash
+
+
+@register("anti_thrash",
+          "for any Q >= 1, any ticks and preemption counts: a request admitted at tick a is no room-by-pressure "
+          "victim at any tick t < a + Q (quantum_elapsed), and may be one from a + Q on; no request is a victim in "
+          "the tick it is admitted (may_preempt); the protected holder admitted at a is protected at every tick "
+          "a <= t < a + Q, so no victim of any preemption then (the victims exclude it), and not from a + Q on; a "
+          "new holder becomes protected only when the previous protection has ended (at most one at a time); two "
+          "room-by-pressure preemptions of one request are at least Q + 1 ticks apart")
+def check_anti_thrash(opts: Options) -> Outcome:
+    """Rule-level lemmas over z3 integers (``quantum_elapsed``, ``protected``, ``may_preempt``)."""
+    z3 = _z3()
+    Q, a, t, t1, a2, t2, npre, maxp = z3.Ints("quantum_Q admit_tick tick tick_1 admit_tick_2 tick_2 "
+                                              "num_preemptions max_preemptions")
+
+    def pressure_victim(adm: Any, tick: Any) -> Any:
+        """``step._room``'s candidates for another user's room: may be preempted, admitted before the
+        tick, not pinned, resident Q iterations."""
+        return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.quantum_elapsed(adm, tick, Q))
+
+    pre = [Q >= 1, npre >= 0, maxp >= 0]
+    goals = [("no room-by-pressure victim before a + Q", Implies(t < a + Q, Not(pressure_victim(a, t)))),
+             ("resident Q iterations: quantum_elapsed from a + Q on", Implies(t >= a + Q, fr.quantum_elapsed(a, t, Q))),
+             ("never a victim in its admission tick", Not(fr.may_preempt(npre, maxp, t, t))),
+             ("the holder is protected from a to a + Q - 1",
+              Implies(And(a <= t, t < a + Q), fr.protected(True, a, t, Q))),
+             ("protection ends at a + Q", Implies(t >= a + Q, Not(fr.protected(True, a, t, Q)))),
+             ("only the holder is protected", Not(fr.protected(False, a, t, Q))),
+             ("a new protection starts only after the previous one ended",
+              Implies(And(a <= t, Not(fr.protected(True, a, t, Q))), t >= a + Q)),
+             ("two room-by-pressure preemptions of one request are > Q ticks apart",
+              Implies(And(pressure_victim(a, t1), a2 >= t1 + 1, pressure_victim(a2, t2)), t2 - t1 >= Q + 1))]
+    status, info = _prove(pre, goals, opts.timeout_s)
+
+    def cex(m: Any, bad: list[str]) -> StateCounterexample:
+        return StateCounterexample("rule lemmas", bad, {d.name(): m[d] for d in m.decls()})
+    return _outcome(status, info, "unbounded: any Q >= 1, any admission and preemption ticks, any preemption counts",
+                    cex)
 
 
 # ---------------------------------------------------------------- 4. the sit-out bound
@@ -447,6 +481,97 @@ def check_sit_out_bound(opts: Options) -> Outcome:
         if status != "proved":
             return Outcome("unknown", bound, f"K={K}: {status} {info or ''}")
     return Outcome("proved", bound, "unsat; assumptions sat")
+
+
+# ---------------------------------------------------------------- 1''. the counter gap, every admission path
+
+
+def _paths_steps(p: _User, q: _User, cap: Any, tol: Any, one: Any, xs: dict) -> list[tuple[str, list, list]]:
+    """The gap proof's steps with every admission path the default takes (``step._admission``):
+    the band pick (``vtc_eligible`` at ``band_tolerance``: ``tol`` for equal weights, 0 otherwise),
+    a light user's pick (``light_first`` at the same tolerance against the other user's local
+    counter), the reservation holder and a resume-first trial (any counters; at most ``one``
+    request's worth, the charge added to the user's out-of-order account ``xs[user]``, counter
+    units), the service and preemption steps of ``_gap_steps``. Candidates admitted past a blocked
+    head after the hold are band or light picks (the order is the same)."""
+    z3 = _z3()
+    band = fr.band_tolerance(tol, p.w == q.w)
+    steps = []
+    for who, other in ((p, q), (q, p)):
+        for kind in ("band", "light", "holder or resume-first trial"):
+            x_in, x_out = z3.Ints(f"admit_prompt_{who.tag}_{kind[:5]} admit_output_{who.tag}_{kind[:5]}")
+            units = fr.service_units(x_in, x_out, fr.PROMPT_PRICE, fr.OUTPUT_PRICE)
+            local = who.c + who.a
+            guard = [x_in >= 0, x_out >= 0, who.rho + units <= cap]
+            after = [(who.rho, who.rho + units), (who.nu, who.nu + units)]
+            if kind == "band":
+                guard.append(fr.vtc_eligible(local, Min(local, other.c + other.a), band))
+            elif kind == "light":
+                guard.append(fr.light_first(local, other.c + other.a, band))
+            else:
+                guard.append(units <= one)
+                after.append((xs[who.tag], xs[who.tag] + units * (fr.COUNTER_SCALE // who.w)))
+            if kind != "holder or resume-first trial":  # the order's picks charge the local counter
+                after.append((who.a, fr.charged_counter(local, fr.PROMPT_PRICE * x_in, who.w) - who.c))
+            steps.append((f"{kind} admission of a request of {who.tag}", guard, after))
+    return steps + _gap_steps(p, q, cap, tol)[2:]
+
+
+def _paths_proof(weights: tuple[int, int], timeout_s: float) -> tuple[str, Any]:
+    """Every step keeps ``J_X(p,q) = c_p + R_p - c_q - X_p <= G`` (and for q), ``X >= 0`` and
+    ``_gap_inv``'s ranges; ``G >= U_p + U_q + T``."""
+    z3 = _z3()
+    p, q = _User("p", weights[0]), _User("q", weights[1])
+    cap, tol, one, g = z3.Ints("max_resident_units tolerance one_request_units G")
+    xs = {"p": z3.Int("out_of_order_p"), "q": z3.Int("out_of_order_q")}
+    base = [cap >= 0, tol >= 0, one >= 0, one <= cap, g >= vtc_counter_gap_bound_units(cap, *weights) + tol]
+
+    def inv(sub: list) -> list[tuple[str, Any]]:
+        def v(x: Any) -> Any:
+            return next((val for var, val in sub if z3.eq(var, x)), x)
+        out = [(name, f) for name, f in _gap_inv(p, q, cap, g, g, sub) if not name.startswith("J(")]
+        out += [(f"X_{u.tag} >= 0", v(xs[u.tag]) >= 0) for u in (p, q)]
+        return out + [("J_X(p,q): c_p + R_p - c_q - X_p <= G",
+                       p.committed(v(p.c), v(p.rho)) - v(q.c) - v(xs["p"]) <= g),
+                      ("J_X(q,p): c_q + R_q - c_p - X_q <= G",
+                       q.committed(v(q.c), v(q.rho)) - v(p.c) - v(xs["q"]) <= g)]
+    pre = [goal for _, goal in inv([])]
+    for name, guard, after in _paths_steps(p, q, cap, tol, one, xs):
+        status, info = _prove([*base, *pre, *guard], inv(after), timeout_s)
+        if status != "proved":
+            return status, (name, info, p, q, cap, g, tol, xs)
+    return "proved", None
+
+
+@register("vtc_counter_gap_paths",
+          "two continuously backlogged users p, q: with X_u the charge (counter units) of u's requests admitted out "
+          "of counter order (the reservation holder, resume-first trials; each at most one request's worth m), "
+          "J_X(p,q) = c_p + R_p - c_q - X_p <= G is inductive for every tolerance T >= 0 and G >= U_p + U_q + T under "
+          "every admission path the default takes: the band pick (vtc_eligible at band_tolerance: T for equal "
+          "weights, 0 otherwise), a light user's pick (light_first at the same tolerance), the holder and trials "
+          "(any counters), candidates past a blocked head (band or light picks), service (charged_counter, "
+          "service_units) and preemption (growth, room for any admission); hence c_p - c_q <= U_p + U_q + T + X_p, "
+          "X_p <= (p's out-of-order admissions) * m * SCALE / w_p")
+def check_vtc_counter_gap_paths(opts: Options) -> Outcome:
+    """Inductive step per step kind, per weight pair in ``GAP_WEIGHTS``; symbolic service per step."""
+    bound = (f"unbounded (any counters, tolerance, service per iteration up to what is resident, resident cap "
+             f"N*(w_p*L_in+w_q*M), request worth m <= it); weight pairs {list(GAP_WEIGHTS)}")
+    for w in GAP_WEIGHTS:
+        status, info = _paths_proof(w, opts.timeout_s)
+        if status == "counterexample":
+            name, (m, bad), p, q, cap, g, tol, xs = info
+            values = {"weights (p, q)": w, "max_resident_units": _val(m, cap), "tolerance": _val(m, tol),
+                      "G": _val(m, g)}
+            for u in (p, q):
+                values[f"user {u.tag}: counter, committed units, advance, out of order"] = (
+                    _val(m, u.c), _val(m, u.rho), _val(m, u.a), _val(m, xs[u.tag]))
+            values["step's choices"] = ", ".join(f"{d.name()}={m[d]}" for d in m.decls()
+                                                 if d.name().startswith(("admit_", "served_", "preempted_")))
+            return Outcome("counterexample", bound, counterexample=StateCounterexample(name, bad, values))
+        if status != "proved":
+            return Outcome("unknown", bound, f"weights {w}: {status} {info[0] if info else ''}")
+    return Outcome("proved", bound, "proved for every weight pair and every step (band, light, holder or trial "
+                                    "admission of either user, service, preemption)")
 
 
 # ---------------------------------------------------------------- 1'. the counter gap, bounded runs

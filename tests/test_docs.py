@@ -10,7 +10,7 @@ targets: it is history and names what was removed):
 * every ``file.py:function`` names a function, class or name defined in that file;
 * every dotted ``module.name`` / ``Class.name`` whose first part is a module or class of this
   repository names something defined there (other dotted names, ``time.time``, are skipped);
-* every snake_case or CamelCase name in backticks (``reference_plan``, ``no_starvation_aging``,
+* every snake_case or CamelCase name in backticks (``reference_plan``, ``no_starvation_holder``,
   ``test_sit_out_lasts_at_most_k_consecutive_iterations``) is a name defined in the tree's Python
   (a function, class, variable, attribute, argument) or a string there (a check's registered
   name), except the proofs' symbols (``c_p``, ``A_r``) and the few names of other projects'
@@ -454,7 +454,7 @@ def test_the_checker_sees_a_stale_name() -> None:
     assert check_span("spec.verify.FCFS_SOURCE", doc) is None
     assert check_span("fairness_rules.sit_out_bound_with_target", doc) is not None
     assert "test" in make_targets() and "bench-target" not in make_targets()
-    assert stale_identifier("sit_out_bound_with_target") and not stale_identifier("no_starvation_aging")
+    assert stale_identifier("sit_out_bound_with_target") and not stale_identifier("no_starvation_holder")
     assert stale_identifier("LatencyModel") and not stale_identifier("InvariantChecker")
 
 

@@ -328,7 +328,7 @@ def _reserved_heavy_request(num_heavy: int, num_aborted: int) -> tuple[Scheduler
 def test_the_reservation_holder_that_fits_is_admitted_before_anyone_isolation_protects(
         num_aborted, light_prompt_tokens, how):
     """docs/fairness.md section 4: once r holds the reservation "nothing is admitted before r"
-    (the no_starvation_aging model: a reservation admits nothing else). A light user's request
+    (the no_starvation_holder model: the holder is the first candidate). A light user's request
     that TTFT isolation protects arrives in the tick where r fits: r must still be admitted."""
     s, r = _reserved_heavy_request(8, num_aborted)
     s.submit(make_req("t", "light", light_prompt_tokens, 5))
@@ -547,6 +547,7 @@ def test_fairness_rules_run_on_z3_terms_and_two_of_them_hold():
                     (fr.victim_before, (iso, u, k, c, back, w, m, s)), (fr.may_preempt, (u, k, c, m)),
                     (fr.worst_case_blocks, (u, c, m, w)), (fr.reserved_after, (u, k)),
                     (fr.admission_wait_bound, (k, u)), (fr.ticks_to_drain_bound, (s, u)),
+                    (fr.holder_wait_bound, (k, s, u)),
                     (fr.growth_headroom_blocks, (u, w)), (fr.can_admit, (u, c, m)),
                     (fr.new_prompt_tokens, (u, c, m, k)), (fr.prompt_high_water, (u, c, m, k)),
                     (fr.sit_out_allowed, (s, k)), (fr.next_streak, (s, iso))]:

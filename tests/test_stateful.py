@@ -529,13 +529,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     def default_policy_admission_bound(self) -> None:
         """The default policy's no-starvation bound, on the code: with ``K = max_sit_out_ticks``,
         ``Q = quantum_ticks`` and ``L`` the most iterations an accepted request can need, a
-        reservation holder is admitted within ``Q + ticks_to_drain_bound(K, L) + 1`` ticks of
+        reservation holder is admitted within ``holder_wait_bound(Q, K, L) + 1 = Q + (K+1) L + 1`` ticks of
         taking the reservation: it is tried first once no request is protected (one is protected
         at most ``Q`` ticks), and then may take room from every resident request that is not
-        pinned. (Since issue 38 a waiting request may be the first that does not fit longer than
-        ``admission_wait_bound(T, L)`` ticks, the bound ``no_starvation_aging`` proves on the old
-        abstraction: while a holder waits behind a protected request, the candidates after it
-        that do not fit are blocked heads and age; hypothesis found 96 ticks against 95.) Where
+        pinned. ``no_starvation_holder`` proves one tick less, ``fairness_rules.holder_wait_bound``,
+        on an abstraction of the rules, assuming the pinned requests leave the holder room. (Since
+        issue 38 a waiting request may be the first that does not fit longer than
+        ``admission_wait_bound(T, L)`` ticks, the bound of the rules before it: while a holder
+        waits behind a protected request, the candidates after it that do not fit are blocked heads
+        and age; hypothesis found 96 ticks against 95.) Where
         the token budget can bind the bound does not apply (a resident request may not run for
         lack of budget); the drain in ``teardown`` remains."""
         s = self.sched
@@ -544,7 +546,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         h = s.state.reserved
         if h is not self.holder:
             self.holder, self.holder_since = h, self.ticks
-            self.holder_bound = s.config.quantum_ticks + fr.ticks_to_drain_bound(self.sit_out_cap, self.max_work) + 1
+            self.holder_bound = fr.holder_wait_bound(s.config.quantum_ticks, self.sit_out_cap, self.max_work) + 1
         if h is not None and h.state in WAITING:
             assert self.ticks - self.holder_since <= self.holder_bound, \
                 f"{h.request_id} has held the reservation {self.ticks - self.holder_since} ticks, bound {self.holder_bound}"

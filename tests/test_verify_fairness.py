@@ -19,15 +19,15 @@ OPTS = Options(timeout_s=60.0)
 
 def test_fairness_checks_are_registered_with_spec_verify():
     verify._load_plugins()
-    for name in ("vtc_counter_gap", "vtc_counter_gap_bmc", "vtc_lift", "no_starvation_aging", "sit_out_bound",
-                 "vtc_counter_gap_replicas"):
+    for name in ("vtc_counter_gap", "vtc_counter_gap_bmc", "vtc_lift", "no_starvation_holder", "anti_thrash",
+                 "sit_out_bound", "vtc_counter_gap_replicas", "vtc_counter_gap_paths"):
         assert name in verify.CHECKS
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc, vf.check_vtc_lift,
-                                   vf.check_no_starvation_aging, vf.check_sit_out_bound,
-                                   vf.check_vtc_counter_gap_replicas])
+                                   vf.check_no_starvation_holder, vf.check_anti_thrash, vf.check_sit_out_bound,
+                                   vf.check_vtc_counter_gap_replicas, vf.check_vtc_counter_gap_paths])
 def test_check_proves_the_rules_as_written(check):
     out = check(OPTS)
     assert out.status == "proved", out
@@ -50,20 +50,32 @@ def test_the_replica_bound_needs_every_view_at_or_below_the_global_counter():
     assert "kept on one replica, as before 2026-12-01): counterexample (admission of a request of p" in out.detail
 
 
-def test_aging_model_reaches_a_pass_before_the_reservation_the_reservation_and_an_early_finish():
-    """The proof of ``no_starvation_aging`` is not bought by a model that never admits another
-    request ahead of r before its reservation, never gives r the reservation or never finishes
-    early: one run has all three."""
+def test_gap_with_every_path_needs_the_out_of_order_account(monkeypatch):
+    """The holder's and the resume-first trials' charges are what widens the bound: without
+    adding them to ``X`` the invariant is not inductive (the holder admitted above the band)."""
+    plain = vf._paths_steps
+
+    def without_account(p, q, cap, tol, one, xs):
+        return [(name, guard, [(var, val) for var, val in after if not any(var is x for x in xs.values())])
+                for name, guard, after in plain(p, q, cap, tol, one, xs)]
+    monkeypatch.setattr(vf, "_paths_steps", without_account)
+    out = vf.check_vtc_counter_gap_paths(OPTS)
+    assert out.status == "counterexample" and "holder or resume-first trial" in out.counterexample.step, out
+
+
+def test_holder_step_is_not_vacuous_in_either_phase():
+    """The holder's step proof is not bought by assumptions that exclude a phase: states exist
+    where a protected request shields its blocks and h is not admitted, and where no protection
+    runs, the slot cap is full and h waits while the residents drain."""
     z3 = pytest.importorskip("z3")
-    asm, _, trace = vf._aging_run(vf.AGING_T, vf.AGING_K, vf.AGING_L, vf.AGING_SLOTS, vf.AGING_CAP_BLOCKS,
-                                  vf.AGING_BLOCK_TOKENS, fr.admission_wait_bound(vf.AGING_T, vf.AGING_L))
-    ticks = trace["ticks"]
-    passes = [z3.And(z3.Not(before["reserved"]), z3.Not(before["admitted"]), tick["other admitted"])
-              for before, tick in zip(ticks, ticks[1:])]
-    solver = z3.Solver()
-    solver.add(*asm, z3.Or(*passes), z3.Or(*(tick["reserved"] for tick in ticks)),
-               z3.Or(*(e for tick in ticks for e in tick["early finish"])))
-    assert solver.check() == z3.sat
+    pre, _, named = vf._holder_step()
+    hp, _ = named["protected set, admitted at"]
+    n, _ = named["residents, work left"]
+    for extra in ([hp, z3.Not(named["admitted"])],
+                  [z3.Not(hp), n == named["max_running"], z3.Not(named["admitted"]), named["L"] >= 3]):
+        solver = z3.Solver()
+        solver.add(*pre, *extra)
+        assert solver.check() == z3.sat
 
 
 # ---------------------------------------------------------------- teeth: planted bugs
@@ -71,7 +83,8 @@ def test_aging_model_reaches_a_pass_before_the_reservation_the_reservation_and_a
 
 BUGS = {
     "charged_counter skips the weight": ("charged_counter", lambda c, units, w: c + units * fr.COUNTER_SCALE,
-                                         [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_replicas]),
+                                         [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_replicas,
+                                          vf.check_vtc_counter_gap_paths]),
     "no lift": ("lifted_counter", lambda own, floor: own, [vf.check_vtc_lift, vf.check_vtc_counter_gap]),
     "lift ignores its own counter (may lower it)": ("lifted_counter", lambda own, floor: floor,
                                                     [vf.check_vtc_lift, vf.check_vtc_counter_gap_replicas]),
@@ -90,14 +103,27 @@ BUGS = {
                                              [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_replicas]),
     "any user eligible": ("vtc_eligible", lambda local, least, tol: local == local,
                           [vf.check_vtc_counter_gap, vf.check_vtc_counter_gap_bmc,
-                           vf.check_vtc_counter_gap_replicas]),
-    "reservation never fires": ("reserved_after", lambda b, t: False, [vf.check_no_starvation_aging]),
-    # no_starvation_aging counts only ticks that are not isolated, so it no longer sees the cap
-    "sit-out cap removed": ("sit_out_allowed", lambda s, k: True, [vf.check_sit_out_bound]),
-    "streak never counts": ("next_streak", lambda s, iso: 0, [vf.check_sit_out_bound]),
-    # in counted (not isolated) ticks the bound is tight: one tick less has a counterexample
-    "wait bound one tick short of T + L + 1": ("admission_wait_bound", lambda t, l: t + l,
-                                               [vf.check_no_starvation_aging]),
+                           vf.check_vtc_counter_gap_replicas, vf.check_vtc_counter_gap_paths]),
+    "light users first whatever their counter": ("light_first", lambda local, least, tol: True,
+                                                 [vf.check_vtc_counter_gap_paths]),
+    "light users first within twice the band": ("light_first", lambda local, least, tol: local <= least + 2 * tol + 1,
+                                                [vf.check_vtc_counter_gap_paths]),
+    "the band wider than the tolerance": ("band_tolerance", lambda tol, equal: 2 * tol + 1,
+                                          [vf.check_vtc_counter_gap_paths]),
+    "reservation never fires": ("reserved_after", lambda b, t: False, [vf.check_no_starvation_holder]),
+    "reservation a tick late": ("reserved_after", lambda b, t: b >= t + 1, [vf.check_no_starvation_holder]),
+    "sit-out cap removed": ("sit_out_allowed", lambda s, k: True,
+                            [vf.check_sit_out_bound, vf.check_no_starvation_holder]),
+    "streak never counts": ("next_streak", lambda s, iso: 0, [vf.check_sit_out_bound, vf.check_no_starvation_holder]),
+    # the ranking reaches Q + (K+1) L: one tick less has a counterexample
+    "holder bound one tick short": ("holder_wait_bound", lambda q, k, l: q + (k + 1) * l - 1,
+                                    [vf.check_no_starvation_holder]),
+    "protection never ends": ("protected", lambda h, a, t, q: h,
+                              [vf.check_no_starvation_holder, vf.check_anti_thrash]),
+    "protection a tick short": ("protected", lambda h, a, t, q: fr.And(h, t - a < q - 1), [vf.check_anti_thrash]),
+    "quantum a tick short": ("quantum_elapsed", lambda a, t, q: t - a >= q - 1, [vf.check_anti_thrash]),
+    "a request admitted this tick may be a victim": ("may_preempt", lambda n, m, a, t: n < m,
+                                                     [vf.check_anti_thrash]),
 }
 
 
