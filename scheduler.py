@@ -7,6 +7,7 @@ over ``batch/core`` (``docs/design.md``). One ``tick()``: ``step.schedule`` (a p
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 import threading
 import time
@@ -33,8 +34,11 @@ __all__ = ["Scheduler", "Plan", "Entry", "RequestError", "InvalidRequestError", 
 PREFILL_CHUNK_TOKENS = rules.PREFILL_CHUNK_TOKENS
 #: Default most requests resident at once (vLLM's ``max_num_seqs``).
 MAX_RUNNING_REQUESTS = 256
-#: Default of ``Scheduler(check_invariants=None)``; the test suite turns it on (``tests/conftest.py``).
-CHECK_INVARIANTS = False
+#: Default of ``Scheduler(check_invariants=None)``: off, unless the environment variable
+#: ``BATCH_CHECK_INVARIANTS`` is ``1`` when this module is imported. The test suite sets both
+#: (``tests/conftest.py``), so a server it starts in another process (``batch-llm serve``, a Ray
+#: replica) is checked too.
+CHECK_INVARIANTS = os.environ.get("BATCH_CHECK_INVARIANTS") == "1"
 #: Default most preemptions of one request before it is pinned (``spec.fairness_rules.pinned``):
 #: ``None``, never (a pinned request holds its worst-case blocks; the aged reservation holder's
 #: protection bounds a request's wait instead). ``baselines.ReservationScheduler`` pins at 0.

@@ -29,6 +29,7 @@ from batch.server.app import ServerConfig, create_app  # noqa: E402
 from batch.server.engine import Engine, SeededGPU  # noqa: E402
 from batch.server.serve import build_engine, load_config  # noqa: E402
 from batch.server.tokenizer import WordTokenizer  # noqa: E402
+from spec.invariants import InvariantViolation  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
 MODEL = "batch-sim"
@@ -70,6 +71,9 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+        # the engine ran checked (conftest), and no spec check failed in its thread
+        assert self.engine.scheduler._checker is not None
+        assert not isinstance(self.engine.error, InvariantViolation), self.engine.error
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health").json()
@@ -478,8 +482,7 @@ class _FailingGPU(SeededGPU):
 
 
 def test_backend_failure_fails_the_batch_not_the_server():
-    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
-                              check_invariants=False))
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False))
     with LiveServer(engine=engine) as s:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "BAD x y", "max_tokens": 5})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -506,6 +509,40 @@ def test_engine_death_answers_503_and_fails_waiting_requests():
         h = httpx.get(f"{s.url}/health")
         assert h.status_code == 503 and h.json()["status"] == "error" and not h.json()["engine_alive"]
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+@pytest.mark.parametrize("kw", [{}, {"policy": "fcfs"}, {"policy": "round-robin"}])
+def test_the_server_runs_with_the_spec_checks_on_in_the_test_suite(kw):
+    """``build_engine`` follows ``Scheduler``'s default (on under ``tests/conftest.py``): the served
+    ticks are checked, and the checker validated some of them."""
+    with LiveServer(time_scale=0.01, **kw) as s:
+        client = s.openai()
+        for p in ("the same system prompt then a", "the same system prompt then b"):
+            client.completions.create(model=MODEL, prompt=p, max_tokens=4)
+        s.drained()
+        checker = s.engine.scheduler._checker
+        assert checker is not None and checker.ticks > 0
+        assert checker.validator.checked + checker.checked > 0
+
+
+def test_a_planted_ledger_bug_in_the_served_scheduler_stops_the_engine_with_its_invariant(monkeypatch):
+    """The served scheduler is checked: a tick that leaks a block (planted) is an
+    ``InvariantViolation`` in the engine thread, and the server answers 503."""
+    from batch.core import step  # noqa: PLC0415
+
+    real = step.commit
+
+    def leaky(state, plan):  # one extra block taken from the pool and held by nobody
+        journal = real(state, plan)
+        if plan.seqs and state.pool.num_free:
+            state.pool.allocate(1)
+        return journal
+    with LiveServer(time_scale=0.01) as s:
+        monkeypatch.setattr(step, "commit", leaky)
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 503 and "invariant" in r.json()["error"]["message"]
+        assert isinstance(s.engine.error, InvariantViolation)
+        s.engine.error = None  # the violation is this test's point: let __exit__'s check pass
 
 
 # ---------------------------------------------------------------- fairness over HTTP
@@ -1034,8 +1071,7 @@ def test_max_tokens_reached_is_finish_reason_length():
 
 
 def test_bench_serve_counts_a_failed_stream_as_an_error():
-    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
-                              check_invariants=False))
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False))
     with LiveServer(engine=engine) as s:
         results = [asyncio.run(bench_serve.run_jobs(s.url, [bench_serve.Job(user="u", prompt_words=3,
                                                                            max_tokens=5, tag=tag)]))[0][0]

@@ -101,7 +101,7 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
                  eos_probability: float = inference_stub.EOS_PROBABILITY, policy: str = "vtc",
                  weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
                  max_running: int | None = None, device: str | None = None, dtype: str = "float32",
-                 check_invariants: bool = False, prefix_caching: bool = False) -> tuple[Engine, Tokenizer, str]:
+                 check_invariants: bool | None = None, prefix_caching: bool = False) -> tuple[Engine, Tokenizer, str]:
     """The engine (scheduler + backend) and tokenizer ``batch-llm serve`` runs.
 
     Args:
@@ -113,7 +113,9 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
         policy: ``vtc`` (with ``weights``), ``fcfs`` or ``round-robin``.
         kv_cap_blocks, max_running: scheduler knobs (defaults: the stub's 256 blocks, 256).
         device, dtype: the model backend's.
-        check_invariants: evaluate the spec invariants after every tick (slow; tests).
+        check_invariants: evaluate the spec invariants around every tick (slow); ``None`` follows
+            ``Scheduler``'s default (``scheduler.CHECK_INVARIANTS``, which ``tests/conftest.py`` turns
+            on, so every server test runs checked).
         prefix_caching: share full prompt blocks by content (``Scheduler(prefix_caching=True)``):
             every tokenizer here gives a shared text prefix (a system prompt) the same leading
             ids, so a repeated one hits; ``/metrics`` counts ``batch:prefix_cache_hits`` / ``_queries``.
