@@ -401,6 +401,13 @@ class Scheduler:
                                  waiting=len(self.policy), running=len(st.running))
             return m | st.pool.metrics() if self.config.prefix_caching else m
 
+    def check_stats(self) -> dict[str, Any] | None:
+        """With ``check_invariants``: ticks checked, and the ticks the reference tick
+        (``spec.reference``) and trace validation (``spec.refinement``) did not validate, counted
+        by reason (``spec.invariants.InvariantChecker.stats``); ``None`` without the checks."""
+        with self._lock:
+            return None if self._checker is None else self._checker.stats()
+
     def check_integrity(self) -> None:
         """Check the KV ledger, every record and the per-user counts at an idle point
         (``spec.invariants.check_state``); raises ``InvariantViolation`` (an ``AssertionError``)."""

@@ -373,31 +373,52 @@ class InvariantChecker:
 
     * before the blocks are committed: the plan fits the free blocks (``plan_within_free``) and
       is the plan the rules give (``spec.reference.reference_plan``, for ``FCFSPolicy``,
-      ``RoundRobinPolicy`` and ``VTCPolicy`` with at most ``max_requests`` in flight; others are counted in ``skipped``);
+      ``RoundRobinPolicy``, ``VTCPolicy`` and the scale-out's ``GlobalVTCPolicy`` on its view of
+      the counters, any number of requests in flight);
     * after the tick: one forward, each chunk within the limit, the budget, the batch's KV as
       ``forward`` saw it, one token per request, every state invariant (``check_state``), the
       tick as a step of the proved model (``spec.refinement``), and the state the rules leave
       (``spec.reference.reference_apply``): each request, the queue, VTC's counters and floor,
-      the reservation, the isolation streak, and the timestamps and counts of the metrics. A
-      tick during whose ``forward`` a request was submitted or aborted (another thread, or
-      ``forward`` itself) is not one tick alone: it is not compared (counted in ``skipped``).
+      the reservation, the isolation streak, and the timestamps and counts of the metrics.
+
+    A tick the reference does not check is counted by reason in ``skips``: ``policy`` (a policy
+    it does not model), ``subclass`` (a scheduler subclass that plans otherwise,
+    ``reference_models = False``), ``prefix_caching`` (hits and shared blocks are not modelled;
+    the pool and the blocks' content are checked every tick by ``check_state``), ``outside`` (a
+    request submitted or aborted during ``forward``, by another thread or ``forward`` itself: not
+    one tick alone), ``requests`` (over ``max_requests``, when one is given). ``stats()`` gives
+    these and the trace validator's counts (``Scheduler.check_stats()``).
     """
 
-    def __init__(self, max_requests: int = 400) -> None:
+    def __init__(self, max_requests: int | None = None) -> None:
         self.ticks = 0
         self.forward_calls = 0
         self.max_requests = max_requests
         self.checked = 0
-        self.skipped = 0
+        self.skips: Counter[str] = Counter()
         self._gen_before: dict[Any, int] = {}  # record -> tokens; keyed by the object: an id() is reused
         self._snap: Any = None
         self._ref: Any = None
         self._stats_before: tuple = ()
         self._outside = 0  # aborts at the start of the tick
         self._known: set = set()  # the records in flight at the start of the tick
+        self._why: str | None = None  # why the reference does not check the tick in progress
         from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
 
         self.validator = TraceValidator()
+
+    @property
+    def skipped(self) -> int:
+        """Ticks the reference did not check, all reasons together."""
+        return sum(self.skips.values())
+
+    def stats(self) -> dict[str, Any]:
+        """``{"ticks", "reference_checked", "reference_skipped": {reason: n}, "trace_checked",
+        "trace_skipped": {reason: n}}``: ticks checked, and the ticks each of the two tick
+        checks (``spec.reference``, ``spec.refinement``) did not validate, by reason."""
+        v = self.validator
+        return {"ticks": self.ticks, "reference_checked": self.checked, "reference_skipped": dict(self.skips),
+                "trace_checked": v.checked, "trace_skipped": dict(v.skips)}
 
     def before_tick(self, sched: Any) -> None:
         """At the start of every tick (before ``schedule()``): the snapshots, and the policy's
@@ -424,16 +445,23 @@ class InvariantChecker:
             p.victim = victim
 
         self.validator.before_tick(sched)
-        modelled = getattr(type(sched), "reference_models", True)  # a subclass that plans otherwise opts out
-        self._snap = snapshot(sched) if modelled and len(sched.state.by_obj) <= self.max_requests else None
+        why = None
+        if not getattr(type(sched), "reference_models", True):  # a subclass that plans otherwise opts out
+            why = "subclass"
+        elif sched.config.prefix_caching:
+            why = "prefix_caching"
+        elif self.max_requests is not None and len(sched.state.by_obj) > self.max_requests:
+            why = "requests"
+        self._snap = snapshot(sched) if why is None else None
+        if why is None and self._snap is None:
+            why = "policy"
         self._ref = None
         s = sched.state.stats
         self._stats_before = (s.ticks, s.nonempty_ticks, s.preemptions, s.finished, len(s.itl_s))
         self._outside = s.finish_reasons["abort"]
         self._known = set(sched.state.by_obj.values())
-        if self._snap is None:
-            self.skipped += 1
-        else:
+        self._why = why  # counted when the tick completes (a failed tick is redone, not skipped)
+        if self._snap is not None:
             try:
                 self._ref = reference.reference_plan(self._snap)
             except reference.NoVictim as e:
@@ -535,10 +563,12 @@ class InvariantChecker:
             fail("batch_kv_within_cap", f"batch of {len(batch)} holds {sum(kv_at_forward)} blocks by "
                                         f"kv_blocks_for, cap {cfg.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
-        if self._snap is not None and self._ref is not None:
+        if self._snap is None:
+            self.skips[self._why] += 1
+        elif self._ref is not None:
             # submitted (a record the snapshot lacks) or aborted while forward ran: not the reference's tick
             if st.stats.finish_reasons["abort"] != self._outside or any(s not in self._known for s in st.by_obj.values()):
-                self.skipped += 1
+                self.skips["outside"] += 1
             else:
                 self._check_reference(sched, plan, tokens, now_s, fail)
                 self.checked += 1
@@ -583,9 +613,9 @@ class InvariantChecker:
             if not _same(turns, want_turns):
                 fail("reference_state", f"round robin's queues: the rules give {_show(want_turns)}, the policy "
                                         f"{_show(turns)}")
-        if snap.policy == "vtc" and (dict(p._counter) != want.counters or p.floor != want.floor):  # noqa: SLF001
+        if snap.policy == "vtc" and (_counters(p) != want.counters or p.floor != want.floor):
             fail("reference_state", f"VTC counters/floor: the rules give {want.counters}/{want.floor}, the "
-                                    f"policy {dict(p._counter)}/{p.floor}")  # noqa: SLF001
+                                    f"policy {_counters(p)}/{p.floor}")
         if now_s is not None:
             for key in want.first_token:
                 if not _same_time(key.req.started_at, now_s):
@@ -624,7 +654,12 @@ def snapshot(sched: Any) -> Any:
     from spec import reference  # noqa: PLC0415
 
     p, st, c = sched.policy, sched.state, sched.config
-    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy else \
+    try:
+        from batch.scaleout.counters import GlobalVTCPolicy  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - the module needs nothing beyond the core
+        GlobalVTCPolicy = None  # noqa: N806
+    glob = GlobalVTCPolicy is not None and type(p) is GlobalVTCPolicy
+    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy or glob else \
         "rr" if type(p) is RoundRobinPolicy else None
     if kind is None or c.prefix_caching:  # shared blocks: checked on the pool (check_state), not modelled
         return None
@@ -640,9 +675,16 @@ def snapshot(sched: Any) -> Any:
     elif kind == "rr":
         snap.turns = list(p._queues)  # noqa: SLF001
     else:
-        snap.counters, snap.floor, snap.weights = dict(p._counter), p.floor, dict(p.weights)  # noqa: SLF001
+        snap.counters, snap.floor, snap.weights = _counters(p), p.floor, dict(p.weights)
+        snap.forgets = not glob
         snap.tol, snap.prices = p.tolerance_tokens * fr.COUNTER_SCALE, (p.prompt_price, p.output_price)
     return snap
+
+
+def _counters(p: Any) -> dict[str, int]:
+    """VTC's counters as the policy reads them (``counter(u)``), for every user it keeps a counter
+    for or, under ``GlobalVTCPolicy``, adds others' service to."""
+    return {u: p.counter(u) for u in (*p._counter, *getattr(p, "_add", ()))}  # noqa: SLF001
 
 
 def _same_time(a: Any, b: Any) -> bool:
