@@ -244,6 +244,8 @@ class Scheduler:
                 if self._checker is not None:
                     self._checker.before_commit(self, plan)
                 journal = step.commit(self.state, plan)
+                if self._checker is not None:
+                    self._checker.after_commit(self, plan)
                 self._inflight = (plan, threading.get_ident())
             tokens: Sequence[int] = []
             if plan.seqs:

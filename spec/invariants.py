@@ -403,6 +403,11 @@ class InvariantChecker:
         self._outside = 0  # aborts at the start of the tick
         self._known: set = set()  # the records in flight at the start of the tick
         self._why: str | None = None  # why the reference does not check the tick in progress
+        # block_holds_prefix's ghost state: physical block -> (the checker's own chained hash of
+        # the tokens before the block, the tokens whose KV the block holds so far)
+        self._kv: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        self._chains: dict[Any, list[int]] = {}  # record -> its prefix chain, memoised (tokens only grow)
+        self._writes: list[tuple[Any, list[int], int, int]] = []  # (record, table, start, end) at forward
         from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
 
         self.validator = TraceValidator()
@@ -497,6 +502,80 @@ class InvariantChecker:
                 raise InvariantViolation("reference_plan", f"{name}: the rules give {_show(w)}, the scheduler "
                                          f"planned {_show(g)}", _summary(sched, self.ticks))
 
+    def after_commit(self, sched: Any, plan: Any) -> None:
+        """After ``commit`` (hits shared, blocks granted), before ``forward``: the KV each batch row
+        writes, ``(record, block table, first position, end)``, applied when the tick completes."""
+        self._writes = [(s, list(s.block_table), s.num_computed_tokens, s.num_computed_tokens + k)
+                        for s, k in zip(plan.seqs, plan.num_new_tokens)]
+
+    def _chain(self, seq: Any, toks: Sequence[int], n_blocks: int, B: int) -> list[int]:
+        """``seq``'s chain ``c_0 .. c_n_blocks``: ``c_0`` a root, ``c_{i+1} = hash((c_i, tokens of
+        block i))``, recomputed from the request's own tokens (not ``prefix_cache.block_keys``)."""
+        c = self._chains.get(seq)
+        if c is None:
+            c = self._chains[seq] = [hash(("block_holds_prefix", B))]
+        while len(c) <= n_blocks:
+            i = len(c) - 1
+            c.append(hash((c[i], tuple(toks[i * B:(i + 1) * B]))))
+        return c
+
+    def _apply_writes(self, B: int, fail: Callable[[str, str], None]) -> None:
+        """The ghost KV after ``forward``. First what each row read: the blocks before its first
+        position must hold its own prefix (``block_holds_prefix``, so a request that hit a wrong
+        block and finished in the same tick is caught too). Then what it wrote: its tokens
+        ``start .. end - 1`` into its table's blocks; a block written from its first position
+        holds the writer's prefix, one written further on extends what it held (if that was not
+        the writer's, the mix shows)."""
+        kv = self._kv
+        rows = []
+        for s, table, start, end in self._writes:
+            toks = [*s.req.prompt, *s.req.generated]
+            chain = self._chain(s, toks, -(-end // B), B)
+            self._check_table(s.request_id, table, toks, chain, start, B, fail)
+            rows.append((table, start, end, toks, chain))
+        for table, start, end, toks, chain in rows:
+            for i in range(start // B, -(-end // B)):
+                lo, hi = max(start, i * B), min(end, (i + 1) * B)
+                new = tuple(toks[lo:hi])
+                if lo == i * B:
+                    kv[table[i]] = (chain[i], new)
+                else:
+                    old = kv.get(table[i], ("never written", ()))
+                    kv[table[i]] = (old[0], old[1] + new) if len(old[1]) == lo - i * B else ("mixed", ())
+        self._writes = []
+
+    def _check_table(self, rid: str, table: Sequence[int], toks: Sequence[int], chain: list[int], nc: int, B: int,
+                     fail: Callable[[str, str], None]) -> None:
+        """The blocks of ``table`` covering positions ``0 .. nc - 1`` hold exactly those tokens,
+        each after its own prefix (``block_holds_prefix``)."""
+        kv = self._kv
+        for i in range(-(-nc // B)):
+            b = table[i]
+            want = (chain[i], tuple(toks[i * B:min((i + 1) * B, nc)]))
+            got = kv.get(b)
+            if got != want:
+                what = "nothing" if got is None else "another prefix's KV" if got[0] != want[0] else \
+                    f"tokens {list(got[1])}"
+                fail("block_holds_prefix", f"{rid}: block {i} ({b}) of its table should hold its tokens "
+                                           f"{i * B}..{min((i + 1) * B, nc) - 1} {list(want[1])} after its own "
+                                           f"prefix; it holds {what}")
+
+    def _check_block_contents(self, sched: Any, fail: Callable[[str, str], None]) -> None:
+        """``block_holds_prefix``: every resident request's block at position ``i`` holds the KV of
+        exactly its own tokens ``[i*B, min((i+1)*B, nc))`` after its own tokens ``[0, i*B)`` (the
+        chain), for every block it has computed into or shared. A chaining, position or eviction
+        bug in prefix caching (a hit on a block of another prefix) fails it. O(resident tokens)."""
+        B = sched.config.block_tokens
+        for s in sched.state.running:
+            nc = s.num_computed_tokens
+            if nc:
+                toks = [*s.req.prompt, *s.req.generated]
+                self._check_table(s.request_id, s.block_table, toks, self._chain(s, toks, -(-nc // B), B), nc, B,
+                                  fail)
+        live = set(sched.state.by_obj.values())
+        if len(self._chains) > 2 * len(live) + 64:
+            self._chains = {k: v for k, v in self._chains.items() if k in live}
+
     def count_forward(self, execute_model: Any, backend: Any) -> tuple[Any, Any]:
         """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``);
         restarts the count, so a tick whose ``forward`` raised does not count against its retry."""
@@ -563,6 +642,8 @@ class InvariantChecker:
             fail("batch_kv_within_cap", f"batch of {len(batch)} holds {sum(kv_at_forward)} blocks by "
                                         f"kv_blocks_for, cap {cfg.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
+        self._apply_writes(cfg.block_tokens, fail)
+        self._check_block_contents(sched, fail)
         if self._snap is None:
             self.skips[self._why] += 1
         elif self._ref is not None:

@@ -511,18 +511,24 @@ def test_engine_death_answers_503_and_fails_waiting_requests():
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
 
 
-@pytest.mark.parametrize("kw", [{}, {"policy": "fcfs"}, {"policy": "round-robin"}])
+@pytest.mark.parametrize("kw", [{}, {"policy": "fcfs"}, {"policy": "round-robin"}, {"prefix_caching": True}])
 def test_the_server_runs_with_the_spec_checks_on_in_the_test_suite(kw):
     """``build_engine`` follows ``Scheduler``'s default (on under ``tests/conftest.py``): the served
-    ticks are checked, and the checker validated some of them."""
+    ticks are checked, and the two tick checks validated them (with prefix caching neither models
+    the tick: the state and block-content invariants ran, and the ticks are counted as skipped)."""
     with LiveServer(time_scale=0.01, **kw) as s:
         client = s.openai()
-        for p in ("the same system prompt then a", "the same system prompt then b"):
+        system = " ".join(f"w{i}" for i in range(40))  # a shared prefix of two full blocks and more
+        for p in (f"{system} then a", f"{system} then b"):
             client.completions.create(model=MODEL, prompt=p, max_tokens=4)
         s.drained()
-        checker = s.engine.scheduler._checker
-        assert checker is not None and checker.ticks > 0
-        assert checker.validator.checked + checker.checked > 0
+        st = s.engine.scheduler.check_stats()
+        assert st is not None and st["ticks"] > 0
+        if kw.get("prefix_caching"):
+            assert st["reference_skipped"] == st["trace_skipped"] == {"prefix_caching": st["ticks"]}, st
+            assert s.engine.scheduler.metrics()["prefix_cache_hits"] > 0  # the shared system prompt hit
+        else:
+            assert st["reference_checked"] > 0 and st["trace_checked"] > 0, st
 
 
 def test_a_planted_ledger_bug_in_the_served_scheduler_stops_the_engine_with_its_invariant(monkeypatch):

@@ -208,7 +208,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         reach the reservation, the sit-out cap, the end of the quantum and of the hold. ``band``: VTC with a tolerance band of 8 weighted
         tokens and user ``b`` weighing 2. ``prefix_caching``: full prompt blocks shared (the prompts
         here share their prefixes: every prompt is ``1, 2, 3, ...``); the reference tick does not
-        model it, the shared-block invariants are checked on the pool every tick instead. ``rr``:
+        model it, the shared-block invariants are checked on the pool every tick instead, and
+        each block's content (``block_holds_prefix``; ``submit_chain`` drives shared prefixes). ``rr``:
         per-user round robin (``RoundRobinPolicy``). ``paged``: the backend is called through
         ``execute_model`` (``PagedBackend``). ``backend_tries``: ``max_backend_tries``."""
         self.step_failed = True  # until set up: teardown must not drain a half-built machine
@@ -396,6 +397,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         shared = f"dup{self.next_id}"
         for _ in range(n):
             self.submit(user, prompt_tokens, max_tokens, 0, request_id=shared)
+
+    @precondition(lambda self: self.sched is not None and len(self.accepted) - len(self.returned) <= MAX_IN_FLIGHT_FOR_BURST)
+    @rule(user=st.sampled_from(USERS), blocks=st.lists(st.sampled_from("ABCD"), min_size=1, max_size=5),
+          tail=st.integers(1, 3), max_tokens=st.integers(1, 12))
+    def submit_chain(self, user: str, blocks: list[str], tail: int, max_tokens: int) -> None:
+        """A prompt of whole blocks drawn from four contents (``A``..``D``, each ``block_tokens``
+        equal ids) and a short tail: prompts share prefixes, diverge and meet again (``ABC``,
+        ``ADC``, ``BC``: the same content at the same position after another prefix, or at another
+        position), and with a small cache their chains are evicted from the front (the LRU frees a
+        table's first block first) while later blocks stay cached, so a hit must stop at the first
+        missing block. ``block_holds_prefix`` checks each block's KV is its own prefix's."""
+        B = self.sched.config.block_tokens
+        prompt = [t for c in blocks for t in [ord(c) - ord("A") + 11] * B] + [60] * tail
+        self.submit(user, len(prompt), max_tokens, 0, prompt=prompt)
 
     def _settle_abort(self, finished: list[Request]) -> None:
         seq, other, result = self.abort_in_tick
