@@ -54,6 +54,11 @@ AGING_TICKS = 32
 MAX_SIT_OUT_TICKS = 8
 
 
+class PlanPastCapError(BackendError):
+    """``production_checks``: the committed plan broke the KV cap or the ledger; the tick is rolled
+    back before ``forward`` and treated as a failed backend call (``max_backend_tries``)."""
+
+
 def wall_clock() -> float:
     """``time.time()``, looked up at each reading (a harness may patch it after construction)."""
     return time.time()
@@ -104,6 +109,7 @@ class Scheduler:
                  quantum_ticks: int = QUANTUM_TICKS, hold_ticks: int = HOLD_TICKS,
                  max_backend_tries: int | None = None, record_itl: bool = True,
                  max_latency_samples: int | None = None, check_invariants: bool | None = None,
+                 production_checks: bool = False,
                  on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> None:
         stub = inference_stub
         cap = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256) if kv_cap_blocks is None else kv_cap_blocks)
@@ -122,6 +128,7 @@ class Scheduler:
                 (max_preemptions is not None and (not is_int(max_preemptions) or max_preemptions < 0),
                  "max_preemptions must be an int >= 0 or None", max_preemptions),
                 (not isinstance(record_itl, bool), "record_itl must be a bool", record_itl),
+                (not isinstance(production_checks, bool), "production_checks must be a bool", production_checks),
                 (not isinstance(prefix_caching, bool), "prefix_caching must be a bool", prefix_caching)):
             if bad:
                 raise ValueError(f"{what}, got {value!r}")
@@ -150,6 +157,10 @@ class Scheduler:
         if _flag("check_invariants", check_invariants, CHECK_INVARIANTS):
             from spec.invariants import InvariantChecker  # noqa: PLC0415 (only when asked for)
             self._checker = InvariantChecker()
+        self._guard: Any = None  # the cheap production subset (spec.invariants.ProductionChecker)
+        if production_checks:
+            from spec.invariants import ProductionChecker  # noqa: PLC0415
+            self._guard = ProductionChecker()
         self._failures = 0  # consecutive failed ticks (the retry policy's count)
         self._inflight: tuple[Plan, int] | None = None  # (plan, ticking thread) while forward runs
         self._last: tuple[Plan | None, list[Request], str | None] = (None, [], None)
@@ -243,6 +254,8 @@ class Scheduler:
                 plan = self.schedule()
                 if self._checker is not None:
                     self._checker.before_commit(self, plan)
+                if self._guard is not None:
+                    self._guard.before_commit(self, plan)
                 journal = step.commit(self.state, plan)
                 if self._checker is not None:
                     self._checker.after_commit(self, plan)
@@ -250,6 +263,11 @@ class Scheduler:
             tokens: Sequence[int] = []
             if plan.seqs:
                 try:
+                    if self._guard is not None:  # a plan past the cap never reaches the backend
+                        with self._lock:
+                            bad = self._guard.before_forward(self, plan)
+                        if bad is not None:
+                            raise PlanPastCapError(bad, [r.request_id for r in plan.requests])
                     tokens = self._forward(plan)
                 except BaseException as e:  # any failure undoes the tick, even KeyboardInterrupt
                     with self._lock:
@@ -272,6 +290,8 @@ class Scheduler:
                 try:
                     finished = self.update_from_output(plan, tokens, iteration_start_s=start_s, now_s=now)
                     self._last = (plan, finished, None)
+                    if self._guard is not None:
+                        self._guard.after_tick(self, plan)
                     if self._checker is not None:
                         self._checker.after_tick(self, plan, finished, tokens, now)
                 finally:

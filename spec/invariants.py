@@ -790,3 +790,91 @@ def _show(x: Any) -> Any:
 def _diff(want: Any, got: Any) -> str:
     return ", ".join(f"{f}={getattr(want, f)!r} (scheduler: {getattr(got, f)!r})"
                      for f in want.__dataclass_fields__ if f != "key" and getattr(want, f) != getattr(got, f))
+
+
+class ProductionChecker:
+    """The cheap subset of the checks, for production (``Scheduler(production_checks=True)``,
+    on by default in ``batch-llm serve``): O(batch + victims + finished) per tick, nothing that
+    walks every request or the whole pool.
+
+    * before ``forward`` (after ``commit``): ``batch_kv_within_cap`` (blocks in use, and without
+      prefix caching the batch's block tables, at most the cap) and ``resident_covered`` for each
+      row (its table covers the tokens it will hold after this chunk); ``ledger_delta`` (without
+      prefix caching): blocks in use changed by the blocks granted less those the victims held.
+      A violation here raises ``PlanPastCapError`` (a ``BackendError``): the scheduler rolls the
+      tick back, so such a plan never reaches the backend, and its retry policy applies
+      (``max_backend_tries``: the batch fails with ``"error"`` and serving goes on).
+    * after the tick: ``ledger_delta`` again (blocks in use fell by what the finished rows held),
+      ``resident_covered`` / ``waiting_holds_nothing`` / ``final_holds_nothing`` for each row and
+      victim, and with prefix caching ``refcount_held`` (every block a row holds has a reference
+      count and is not free). A violation here is logged and counted, and serving goes on.
+
+    Every violation is logged (logger ``batch.checks``, at ERROR) and counted by property in
+    ``violations`` (``/metrics``: ``batch:invariant_violations_total{property}``).
+    """
+
+    def __init__(self) -> None:
+        import logging  # noqa: PLC0415
+
+        self.log = logging.getLogger("batch.checks")
+        self.ticks = 0
+        self.violations: Counter[str] = Counter()
+        self._used = 0  # blocks in use before commit
+        self._victims = 0  # blocks the plan's victims held
+        self._held: dict[Any, int] = {}  # row or victim -> blocks held after commit
+
+    def _violation(self, prop: str, detail: str) -> str:
+        self.violations[prop] += 1
+        self.log.error("invariant %s violated: %s", prop, detail)
+        return f"invariant {prop} violated: {detail}"
+
+    def before_commit(self, sched: Any, plan: Any) -> None:
+        """Before ``commit``: what the ledger is to be compared with."""
+        self._used = sched.state.pool.num_used
+        self._victims = sum(len(v.block_table) for v in plan.preempted)
+
+    def before_forward(self, sched: Any, plan: Any) -> str | None:
+        """After ``commit``, before ``forward``: the message of the first violation, or ``None``."""
+        cfg, pool = sched.config, sched.state.pool
+        cap, B = cfg.kv_cap_blocks, cfg.block_tokens
+        used = pool.num_used
+        kv = used if cfg.prefix_caching else sum(len(s.block_table) for s in plan.seqs)
+        if not (kv_within_cap(used, cap) and batch_kv_within_cap([kv], cap)):
+            return self._violation("batch_kv_within_cap", f"{used} blocks in use, the batch's tables hold {kv}, "
+                                                          f"cap {cap}")
+        if not cfg.prefix_caching and used != self._used + sum(plan.new_blocks) - self._victims:
+            return self._violation("ledger_delta", f"{used} blocks in use after commit; {self._used} before, "
+                                                   f"{sum(plan.new_blocks)} granted, victims held {self._victims}")
+        for s, k in zip(plan.seqs, plan.num_new_tokens):
+            if not resident_covered(len(s.block_table), s.num_computed_tokens + k, B):
+                return self._violation("resident_covered", f"{s.request_id}: {len(s.block_table)} blocks for "
+                                                           f"{s.num_computed_tokens + k} tokens ({B} per block)")
+        self._used = used
+        self._held = {s: len(s.block_table) for s in plan.seqs}
+        return None
+
+    def after_tick(self, sched: Any, plan: Any) -> None:
+        """After ``apply``: log and count what does not hold (the tick stays applied)."""
+        self.ticks += 1
+        cfg, pool = sched.config, sched.state.pool
+        B = cfg.block_tokens
+        gone = sum(h for s, h in self._held.items() if s.state in lc.FINAL_STATES)
+        if not cfg.prefix_caching and pool.num_used != self._used - gone:
+            self._violation("ledger_delta", f"{pool.num_used} blocks in use after the tick; {self._used} at "
+                                            f"forward, the finished held {gone}")
+        for s in (*plan.seqs, *plan.preempted):
+            h = len(s.block_table)
+            if s.state in lc.RESIDENT_STATES:
+                if not resident_covered(h, s.num_tokens, B):
+                    self._violation("resident_covered", f"{s.request_id}: holds {h} blocks for {s.num_tokens} tokens")
+                if cfg.prefix_caching:
+                    bad = [b for b in s.block_table if pool.refs[b] < 1 or pool._is_free[b]]  # noqa: SLF001
+                    if bad:
+                        self._violation("refcount_held", f"{s.request_id}: holds blocks {bad} that are free or "
+                                                         f"have no reference count")
+            elif s.state in lc.WAITING_STATES:
+                if not waiting_holds_nothing(h, s.num_computed_tokens):
+                    self._violation("waiting_holds_nothing", f"{s.request_id}: {s.state} with {h} blocks")
+            elif not final_holds_nothing(h):
+                self._violation("final_holds_nothing", f"{s.request_id}: {s.state} with {h} blocks")
+        self._held = {}
