@@ -259,15 +259,13 @@ class Scheduler:
                 journal = step.commit(self.state, plan)
                 if self._checker is not None:
                     self._checker.after_commit(self, plan)
+                past_cap = None if self._guard is None else self._guard.before_forward(self, plan)
                 self._inflight = (plan, threading.get_ident())
             tokens: Sequence[int] = []
             if plan.seqs:
                 try:
-                    if self._guard is not None:  # a plan past the cap never reaches the backend
-                        with self._lock:
-                            bad = self._guard.before_forward(self, plan)
-                        if bad is not None:
-                            raise PlanPastCapError(bad, [r.request_id for r in plan.requests])
+                    if past_cap is not None:  # a plan past the cap never reaches the backend
+                        raise PlanPastCapError(past_cap, [r.request_id for r in plan.requests])
                     tokens = self._forward(plan)
                 except BaseException as e:  # any failure undoes the tick, even KeyboardInterrupt
                     with self._lock:

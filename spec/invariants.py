@@ -509,12 +509,14 @@ class InvariantChecker:
                         for s, k in zip(plan.seqs, plan.num_new_tokens)]
 
     def _chain(self, seq: Any, toks: Sequence[int], n_blocks: int, B: int) -> list[int]:
-        """``seq``'s chain ``c_0 .. c_n_blocks``: ``c_0`` a root, ``c_{i+1} = hash((c_i, tokens of
-        block i))``, recomputed from the request's own tokens (not ``prefix_cache.block_keys``)."""
+        """``seq``'s chain ``c_0 .. c_{n_blocks - 1}`` (at least): ``c_0`` a root, ``c_{i+1} =
+        hash((c_i, tokens of block i))``, recomputed from the request's own tokens (not
+        ``prefix_cache.block_keys``). ``c_i`` reads only blocks before ``i``, which are full (so a
+        memoised entry never goes stale as tokens are appended)."""
         c = self._chains.get(seq)
         if c is None:
             c = self._chains[seq] = [hash(("block_holds_prefix", B))]
-        while len(c) <= n_blocks:
+        while len(c) < n_blocks:
             i = len(c) - 1
             c.append(hash((c[i], tuple(toks[i * B:(i + 1) * B]))))
         return c
@@ -572,9 +574,8 @@ class InvariantChecker:
                 toks = [*s.req.prompt, *s.req.generated]
                 self._check_table(s.request_id, s.block_table, toks, self._chain(s, toks, -(-nc // B), B), nc, B,
                                   fail)
-        live = set(sched.state.by_obj.values())
-        if len(self._chains) > 2 * len(live) + 64:
-            self._chains = {k: v for k, v in self._chains.items() if k in live}
+        final = lc.FINAL_STATES  # a record that left is not kept alive by the memo
+        self._chains = {k: v for k, v in self._chains.items() if k.state not in final}
 
     def count_forward(self, execute_model: Any, backend: Any) -> tuple[Any, Any]:
         """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``);
@@ -794,20 +795,21 @@ def _diff(want: Any, got: Any) -> str:
 
 class ProductionChecker:
     """The cheap subset of the checks, for production (``Scheduler(production_checks=True)``,
-    on by default in ``batch-llm serve``): O(batch + victims + finished) per tick, nothing that
-    walks every request or the whole pool.
+    on by default in ``batch-llm serve``): O(batch + victims) per tick, nothing that walks every
+    request or the whole pool.
 
     * before ``forward`` (after ``commit``): ``batch_kv_within_cap`` (blocks in use, and without
-      prefix caching the batch's block tables, at most the cap) and ``resident_covered`` for each
-      row (its table covers the tokens it will hold after this chunk); ``ledger_delta`` (without
-      prefix caching): blocks in use changed by the blocks granted less those the victims held.
-      A violation here raises ``PlanPastCapError`` (a ``BackendError``): the scheduler rolls the
-      tick back, so such a plan never reaches the backend, and its retry policy applies
+      prefix caching the batch's block tables, at most the cap) and, without prefix caching,
+      ``ledger_delta``: blocks in use changed by exactly the blocks granted less those the victims
+      held. A violation here raises ``PlanPastCapError`` (a ``BackendError``): the scheduler rolls
+      the tick back, so such a plan never reaches the backend, and its retry policy applies
       (``max_backend_tries``: the batch fails with ``"error"`` and serving goes on).
-    * after the tick: ``ledger_delta`` again (blocks in use fell by what the finished rows held),
+    * after the tick: ``ledger_delta`` again (blocks in use fell by what the finished rows held;
+      not compared in a tick during whose ``forward`` another thread aborted a request),
       ``resident_covered`` / ``waiting_holds_nothing`` / ``final_holds_nothing`` for each row and
-      victim, and with prefix caching ``refcount_held`` (every block a row holds has a reference
-      count and is not free). A violation here is logged and counted, and serving goes on.
+      victim, and with prefix caching ``refcount_held`` (each block a row took this tick, granted
+      or hit, has a reference count and is not free). A violation here is logged and counted, and
+      serving goes on.
 
     Every violation is logged (logger ``batch.checks``, at ERROR) and counted by property in
     ``violations`` (``/metrics``: ``batch:invariant_violations_total{property}``).
@@ -819,9 +821,11 @@ class ProductionChecker:
         self.log = logging.getLogger("batch.checks")
         self.ticks = 0
         self.violations: Counter[str] = Counter()
-        self._used = 0  # blocks in use before commit
+        self._used = 0  # blocks in use before commit, then after it
         self._victims = 0  # blocks the plan's victims held
-        self._held: dict[Any, int] = {}  # row or victim -> blocks held after commit
+        self._pre: list[int] = []  # each row's table length before commit (prefix caching)
+        self._held: list[int] = []  # each row's table length at forward
+        self._aborts = 0  # aborts counted at forward (one during forward frees blocks outside the plan)
 
     def _violation(self, prop: str, detail: str) -> str:
         self.violations[prop] += 1
@@ -832,49 +836,49 @@ class ProductionChecker:
         """Before ``commit``: what the ledger is to be compared with."""
         self._used = sched.state.pool.num_used
         self._victims = sum(len(v.block_table) for v in plan.preempted)
+        if sched.config.prefix_caching:
+            self._pre = [len(s.block_table) for s in plan.seqs]
 
     def before_forward(self, sched: Any, plan: Any) -> str | None:
         """After ``commit``, before ``forward``: the message of the first violation, or ``None``."""
         cfg, pool = sched.config, sched.state.pool
-        cap, B = cfg.kv_cap_blocks, cfg.block_tokens
+        cap = cfg.kv_cap_blocks
         used = pool.num_used
-        kv = used if cfg.prefix_caching else sum(len(s.block_table) for s in plan.seqs)
+        self._held = held = [len(s.block_table) for s in plan.seqs]
+        kv = used if cfg.prefix_caching else sum(held)
         if not (kv_within_cap(used, cap) and batch_kv_within_cap([kv], cap)):
             return self._violation("batch_kv_within_cap", f"{used} blocks in use, the batch's tables hold {kv}, "
                                                           f"cap {cap}")
         if not cfg.prefix_caching and used != self._used + sum(plan.new_blocks) - self._victims:
             return self._violation("ledger_delta", f"{used} blocks in use after commit; {self._used} before, "
                                                    f"{sum(plan.new_blocks)} granted, victims held {self._victims}")
-        for s, k in zip(plan.seqs, plan.num_new_tokens):
-            if not resident_covered(len(s.block_table), s.num_computed_tokens + k, B):
-                return self._violation("resident_covered", f"{s.request_id}: {len(s.block_table)} blocks for "
-                                                           f"{s.num_computed_tokens + k} tokens ({B} per block)")
         self._used = used
-        self._held = {s: len(s.block_table) for s in plan.seqs}
+        self._aborts = sched.state.stats.finish_reasons["abort"]
         return None
 
     def after_tick(self, sched: Any, plan: Any) -> None:
         """After ``apply``: log and count what does not hold (the tick stays applied)."""
         self.ticks += 1
         cfg, pool = sched.config, sched.state.pool
-        B = cfg.block_tokens
-        gone = sum(h for s, h in self._held.items() if s.state in lc.FINAL_STATES)
-        if not cfg.prefix_caching and pool.num_used != self._used - gone:
-            self._violation("ledger_delta", f"{pool.num_used} blocks in use after the tick; {self._used} at "
-                                            f"forward, the finished held {gone}")
-        for s in (*plan.seqs, *plan.preempted):
+        B, prefix = cfg.block_tokens, cfg.prefix_caching
+        final, resident = lc.FINAL_STATES, lc.RESIDENT_STATES
+        if not prefix and sched.state.stats.finish_reasons["abort"] == self._aborts:  # another thread's abort
+            gone = sum(h for s, h in zip(plan.seqs, self._held) if s.state in final)
+            if pool.num_used != self._used - gone:
+                self._violation("ledger_delta", f"{pool.num_used} blocks in use after the tick; {self._used} at "
+                                                f"forward, the finished held {gone}")
+        for i, s in enumerate(plan.seqs):
             h = len(s.block_table)
-            if s.state in lc.RESIDENT_STATES:
+            if s.state in resident:
                 if not resident_covered(h, s.num_tokens, B):
                     self._violation("resident_covered", f"{s.request_id}: holds {h} blocks for {s.num_tokens} tokens")
-                if cfg.prefix_caching:
-                    bad = [b for b in s.block_table if pool.refs[b] < 1 or pool._is_free[b]]  # noqa: SLF001
+                if prefix:
+                    bad = [b for b in s.block_table[self._pre[i]:] if pool.refs[b] < 1 or pool._is_free[b]]  # noqa: SLF001
                     if bad:
-                        self._violation("refcount_held", f"{s.request_id}: holds blocks {bad} that are free or "
-                                                         f"have no reference count")
-            elif s.state in lc.WAITING_STATES:
-                if not waiting_holds_nothing(h, s.num_computed_tokens):
-                    self._violation("waiting_holds_nothing", f"{s.request_id}: {s.state} with {h} blocks")
-            elif not final_holds_nothing(h):
+                        self._violation("refcount_held", f"{s.request_id}: took blocks {bad} that are free or have "
+                                                         f"no reference count")
+            elif s.state in final and h:
                 self._violation("final_holds_nothing", f"{s.request_id}: {s.state} with {h} blocks")
-        self._held = {}
+        for s in plan.preempted:
+            if s.state in lc.WAITING_STATES and not waiting_holds_nothing(len(s.block_table), s.num_computed_tokens):
+                self._violation("waiting_holds_nothing", f"{s.request_id}: {s.state} with {len(s.block_table)} blocks")

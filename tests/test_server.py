@@ -524,6 +524,8 @@ def test_the_server_runs_with_the_spec_checks_on_in_the_test_suite(kw):
         s.drained()
         st = s.engine.scheduler.check_stats()
         assert st is not None and st["ticks"] > 0
+        m = bench_serve.scrape(s.url)  # the production subset is on by default in batch-llm serve
+        assert m["batch:invariant_checked_ticks_total"] > 0 and "batch:invariant_violations_total" not in str(m)
         if kw.get("prefix_caching"):
             assert st["reference_skipped"] == st["trace_skipped"] == {"prefix_caching": st["ticks"]}, st
             assert s.engine.scheduler.metrics()["prefix_cache_hits"] > 0  # the shared system prompt hit
@@ -531,9 +533,12 @@ def test_the_server_runs_with_the_spec_checks_on_in_the_test_suite(kw):
             assert st["reference_checked"] > 0 and st["trace_checked"] > 0, st
 
 
-def test_a_planted_ledger_bug_in_the_served_scheduler_stops_the_engine_with_its_invariant(monkeypatch):
-    """The served scheduler is checked: a tick that leaks a block (planted) is an
-    ``InvariantViolation`` in the engine thread, and the server answers 503."""
+@pytest.mark.parametrize("production_checks", [False, True])
+def test_a_planted_ledger_bug_in_the_served_scheduler_is_caught(monkeypatch, production_checks):
+    """The served scheduler is checked. A tick that leaks a block (planted): with the production
+    subset off, the suite's full checks stop the engine with an ``InvariantViolation`` (503); with
+    it on (``batch-llm serve``'s default) the plan never reaches the backend, the request fails
+    (500, the retry policy) and ``/metrics`` counts the violation, and the server goes on."""
     from batch.core import step  # noqa: PLC0415
 
     real = step.commit
@@ -543,12 +548,20 @@ def test_a_planted_ledger_bug_in_the_served_scheduler_stops_the_engine_with_its_
         if plan.seqs and state.pool.num_free:
             state.pool.allocate(1)
         return journal
-    with LiveServer(time_scale=0.01) as s:
+    with LiveServer(time_scale=0.01, production_checks=production_checks) as s:
+        forwarded = []
+        gpu = s.engine.scheduler._backend
+        monkeypatch.setattr(s.engine.scheduler, "_backend", lambda batch: forwarded.append(len(batch)) or gpu(batch))
         monkeypatch.setattr(step, "commit", leaky)
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
-        assert r.status_code == 503 and "invariant" in r.json()["error"]["message"]
-        assert isinstance(s.engine.error, InvariantViolation)
-        s.engine.error = None  # the violation is this test's point: let __exit__'s check pass
+        if production_checks:
+            assert r.status_code == 500 and forwarded == [], (r.status_code, forwarded)
+            assert _metric(s.url, 'batch:invariant_violations_total{property="ledger_delta"}') == 3  # three tries
+            assert s.engine.alive and s.engine.error is None
+        else:
+            assert r.status_code == 503 and "invariant" in r.json()["error"]["message"]
+            assert isinstance(s.engine.error, InvariantViolation)
+            s.engine.error = None  # the violation is this test's point: let __exit__'s check pass
 
 
 # ---------------------------------------------------------------- fairness over HTTP
