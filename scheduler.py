@@ -7,6 +7,7 @@ over ``batch/core`` (``docs/design.md``). One ``tick()``: ``step.schedule`` (a p
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 import threading
 import time
@@ -33,8 +34,11 @@ __all__ = ["Scheduler", "Plan", "Entry", "RequestError", "InvalidRequestError", 
 PREFILL_CHUNK_TOKENS = rules.PREFILL_CHUNK_TOKENS
 #: Default most requests resident at once (vLLM's ``max_num_seqs``).
 MAX_RUNNING_REQUESTS = 256
-#: Default of ``Scheduler(check_invariants=None)``; the test suite turns it on (``tests/conftest.py``).
-CHECK_INVARIANTS = False
+#: Default of ``Scheduler(check_invariants=None)``: off, unless the environment variable
+#: ``BATCH_CHECK_INVARIANTS`` is ``1`` when this module is imported. The test suite sets both
+#: (``tests/conftest.py``), so a server it starts in another process (``batch-llm serve``, a Ray
+#: replica) is checked too.
+CHECK_INVARIANTS = os.environ.get("BATCH_CHECK_INVARIANTS") == "1"
 #: Default most preemptions of one request before it is pinned (``spec.fairness_rules.pinned``):
 #: ``None``, never (a pinned request holds its worst-case blocks; the aged reservation holder's
 #: protection bounds a request's wait instead). ``baselines.ReservationScheduler`` pins at 0.
@@ -48,6 +52,11 @@ HOLD_TICKS = fr.HOLD_TICKS
 AGING_TICKS = 32
 #: Default K, most consecutive isolated iterations (``spec.fairness_rules.sit_out_allowed``).
 MAX_SIT_OUT_TICKS = 8
+
+
+class PlanPastCapError(BackendError):
+    """``production_checks``: the committed plan broke the KV cap or the ledger; the tick is rolled
+    back before ``forward`` and treated as a failed backend call (``max_backend_tries``)."""
 
 
 def wall_clock() -> float:
@@ -100,6 +109,7 @@ class Scheduler:
                  quantum_ticks: int = QUANTUM_TICKS, hold_ticks: int = HOLD_TICKS,
                  max_backend_tries: int | None = None, record_itl: bool = True,
                  max_latency_samples: int | None = None, check_invariants: bool | None = None,
+                 production_checks: bool = False,
                  on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> None:
         stub = inference_stub
         cap = _positive("kv_cap_blocks", getattr(stub, "MAX_KV_BLOCKS", 256) if kv_cap_blocks is None else kv_cap_blocks)
@@ -118,6 +128,7 @@ class Scheduler:
                 (max_preemptions is not None and (not is_int(max_preemptions) or max_preemptions < 0),
                  "max_preemptions must be an int >= 0 or None", max_preemptions),
                 (not isinstance(record_itl, bool), "record_itl must be a bool", record_itl),
+                (not isinstance(production_checks, bool), "production_checks must be a bool", production_checks),
                 (not isinstance(prefix_caching, bool), "prefix_caching must be a bool", prefix_caching)):
             if bad:
                 raise ValueError(f"{what}, got {value!r}")
@@ -146,6 +157,10 @@ class Scheduler:
         if _flag("check_invariants", check_invariants, CHECK_INVARIANTS):
             from spec.invariants import InvariantChecker  # noqa: PLC0415 (only when asked for)
             self._checker = InvariantChecker()
+        self._guard: Any = None  # the cheap production subset (spec.invariants.ProductionChecker)
+        if production_checks:
+            from spec.invariants import ProductionChecker  # noqa: PLC0415
+            self._guard = ProductionChecker()
         self._failures = 0  # consecutive failed ticks (the retry policy's count)
         self._inflight: tuple[Plan, int] | None = None  # (plan, ticking thread) while forward runs
         self._last: tuple[Plan | None, list[Request], str | None] = (None, [], None)
@@ -239,11 +254,18 @@ class Scheduler:
                 plan = self.schedule()
                 if self._checker is not None:
                     self._checker.before_commit(self, plan)
+                if self._guard is not None:
+                    self._guard.before_commit(self, plan)
                 journal = step.commit(self.state, plan)
+                if self._checker is not None:
+                    self._checker.after_commit(self, plan)
+                past_cap = None if self._guard is None else self._guard.before_forward(self, plan)
                 self._inflight = (plan, threading.get_ident())
             tokens: Sequence[int] = []
             if plan.seqs:
                 try:
+                    if past_cap is not None:  # a plan past the cap never reaches the backend
+                        raise PlanPastCapError(past_cap, [r.request_id for r in plan.requests])
                     tokens = self._forward(plan)
                 except BaseException as e:  # any failure undoes the tick, even KeyboardInterrupt
                     with self._lock:
@@ -266,6 +288,8 @@ class Scheduler:
                 try:
                     finished = self.update_from_output(plan, tokens, iteration_start_s=start_s, now_s=now)
                     self._last = (plan, finished, None)
+                    if self._guard is not None:
+                        self._guard.after_tick(self, plan)
                     if self._checker is not None:
                         self._checker.after_tick(self, plan, finished, tokens, now)
                 finally:
@@ -396,6 +420,13 @@ class Scheduler:
             m = st.stats.summary(kv_blocks_in_use=st.pool.num_used, kv_cap_blocks=self.config.kv_cap_blocks,
                                  waiting=len(self.policy), running=len(st.running))
             return m | st.pool.metrics() if self.config.prefix_caching else m
+
+    def check_stats(self) -> dict[str, Any] | None:
+        """With ``check_invariants``: ticks checked, and the ticks the reference tick
+        (``spec.reference``) and trace validation (``spec.refinement``) did not validate, counted
+        by reason (``spec.invariants.InvariantChecker.stats``); ``None`` without the checks."""
+        with self._lock:
+            return None if self._checker is None else self._checker.stats()
 
     def check_integrity(self) -> None:
         """Check the KV ledger, every record and the per-user counts at an idle point

@@ -373,31 +373,57 @@ class InvariantChecker:
 
     * before the blocks are committed: the plan fits the free blocks (``plan_within_free``) and
       is the plan the rules give (``spec.reference.reference_plan``, for ``FCFSPolicy``,
-      ``RoundRobinPolicy`` and ``VTCPolicy`` with at most ``max_requests`` in flight; others are counted in ``skipped``);
+      ``RoundRobinPolicy``, ``VTCPolicy`` and the scale-out's ``GlobalVTCPolicy`` on its view of
+      the counters, any number of requests in flight);
     * after the tick: one forward, each chunk within the limit, the budget, the batch's KV as
       ``forward`` saw it, one token per request, every state invariant (``check_state``), the
       tick as a step of the proved model (``spec.refinement``), and the state the rules leave
       (``spec.reference.reference_apply``): each request, the queue, VTC's counters and floor,
-      the reservation, the isolation streak, and the timestamps and counts of the metrics. A
-      tick during whose ``forward`` a request was submitted or aborted (another thread, or
-      ``forward`` itself) is not one tick alone: it is not compared (counted in ``skipped``).
+      the reservation, the isolation streak, and the timestamps and counts of the metrics.
+
+    A tick the reference does not check is counted by reason in ``skips``: ``policy`` (a policy
+    it does not model), ``subclass`` (a scheduler subclass that plans otherwise,
+    ``reference_models = False``), ``prefix_caching`` (hits and shared blocks are not modelled;
+    the pool and the blocks' content are checked every tick by ``check_state``), ``outside`` (a
+    request submitted or aborted during ``forward``, by another thread or ``forward`` itself: not
+    one tick alone), ``requests`` (over ``max_requests``, when one is given). ``stats()`` gives
+    these and the trace validator's counts (``Scheduler.check_stats()``).
     """
 
-    def __init__(self, max_requests: int = 400) -> None:
+    def __init__(self, max_requests: int | None = None) -> None:
         self.ticks = 0
         self.forward_calls = 0
         self.max_requests = max_requests
         self.checked = 0
-        self.skipped = 0
+        self.skips: Counter[str] = Counter()
         self._gen_before: dict[Any, int] = {}  # record -> tokens; keyed by the object: an id() is reused
         self._snap: Any = None
         self._ref: Any = None
         self._stats_before: tuple = ()
         self._outside = 0  # aborts at the start of the tick
         self._known: set = set()  # the records in flight at the start of the tick
+        self._why: str | None = None  # why the reference does not check the tick in progress
+        # block_holds_prefix's ghost state: physical block -> (the checker's own chained hash of
+        # the tokens before the block, the tokens whose KV the block holds so far)
+        self._kv: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        self._chains: dict[Any, list[int]] = {}  # record -> its prefix chain, memoised (tokens only grow)
+        self._writes: list[tuple[Any, list[int], int, int]] = []  # (record, table, start, end) at forward
         from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
 
         self.validator = TraceValidator()
+
+    @property
+    def skipped(self) -> int:
+        """Ticks the reference did not check, all reasons together."""
+        return sum(self.skips.values())
+
+    def stats(self) -> dict[str, Any]:
+        """``{"ticks", "reference_checked", "reference_skipped": {reason: n}, "trace_checked",
+        "trace_skipped": {reason: n}}``: ticks checked, and the ticks each of the two tick
+        checks (``spec.reference``, ``spec.refinement``) did not validate, by reason."""
+        v = self.validator
+        return {"ticks": self.ticks, "reference_checked": self.checked, "reference_skipped": dict(self.skips),
+                "trace_checked": v.checked, "trace_skipped": dict(v.skips)}
 
     def before_tick(self, sched: Any) -> None:
         """At the start of every tick (before ``schedule()``): the snapshots, and the policy's
@@ -424,16 +450,23 @@ class InvariantChecker:
             p.victim = victim
 
         self.validator.before_tick(sched)
-        modelled = getattr(type(sched), "reference_models", True)  # a subclass that plans otherwise opts out
-        self._snap = snapshot(sched) if modelled and len(sched.state.by_obj) <= self.max_requests else None
+        why = None
+        if not getattr(type(sched), "reference_models", True):  # a subclass that plans otherwise opts out
+            why = "subclass"
+        elif sched.config.prefix_caching:
+            why = "prefix_caching"
+        elif self.max_requests is not None and len(sched.state.by_obj) > self.max_requests:
+            why = "requests"
+        self._snap = snapshot(sched) if why is None else None
+        if why is None and self._snap is None:
+            why = "policy"
         self._ref = None
         s = sched.state.stats
         self._stats_before = (s.ticks, s.nonempty_ticks, s.preemptions, s.finished, len(s.itl_s))
         self._outside = s.finish_reasons["abort"]
         self._known = set(sched.state.by_obj.values())
-        if self._snap is None:
-            self.skipped += 1
-        else:
+        self._why = why  # counted when the tick completes (a failed tick is redone, not skipped)
+        if self._snap is not None:
             try:
                 self._ref = reference.reference_plan(self._snap)
             except reference.NoVictim as e:
@@ -468,6 +501,81 @@ class InvariantChecker:
             if not _same(g, w):
                 raise InvariantViolation("reference_plan", f"{name}: the rules give {_show(w)}, the scheduler "
                                          f"planned {_show(g)}", _summary(sched, self.ticks))
+
+    def after_commit(self, sched: Any, plan: Any) -> None:
+        """After ``commit`` (hits shared, blocks granted), before ``forward``: the KV each batch row
+        writes, ``(record, block table, first position, end)``, applied when the tick completes."""
+        self._writes = [(s, list(s.block_table), s.num_computed_tokens, s.num_computed_tokens + k)
+                        for s, k in zip(plan.seqs, plan.num_new_tokens)]
+
+    def _chain(self, seq: Any, toks: Sequence[int], n_blocks: int, B: int) -> list[int]:
+        """``seq``'s chain ``c_0 .. c_{n_blocks - 1}`` (at least): ``c_0`` a root, ``c_{i+1} =
+        hash((c_i, tokens of block i))``, recomputed from the request's own tokens (not
+        ``prefix_cache.block_keys``). ``c_i`` reads only blocks before ``i``, which are full (so a
+        memoised entry never goes stale as tokens are appended)."""
+        c = self._chains.get(seq)
+        if c is None:
+            c = self._chains[seq] = [hash(("block_holds_prefix", B))]
+        while len(c) < n_blocks:
+            i = len(c) - 1
+            c.append(hash((c[i], tuple(toks[i * B:(i + 1) * B]))))
+        return c
+
+    def _apply_writes(self, B: int, fail: Callable[[str, str], None]) -> None:
+        """The ghost KV after ``forward``. First what each row read: the blocks before its first
+        position must hold its own prefix (``block_holds_prefix``, so a request that hit a wrong
+        block and finished in the same tick is caught too). Then what it wrote: its tokens
+        ``start .. end - 1`` into its table's blocks; a block written from its first position
+        holds the writer's prefix, one written further on extends what it held (if that was not
+        the writer's, the mix shows)."""
+        kv = self._kv
+        rows = []
+        for s, table, start, end in self._writes:
+            toks = [*s.req.prompt, *s.req.generated]
+            chain = self._chain(s, toks, -(-end // B), B)
+            self._check_table(s.request_id, table, toks, chain, start, B, fail)
+            rows.append((table, start, end, toks, chain))
+        for table, start, end, toks, chain in rows:
+            for i in range(start // B, -(-end // B)):
+                lo, hi = max(start, i * B), min(end, (i + 1) * B)
+                new = tuple(toks[lo:hi])
+                if lo == i * B:
+                    kv[table[i]] = (chain[i], new)
+                else:
+                    old = kv.get(table[i], ("never written", ()))
+                    kv[table[i]] = (old[0], old[1] + new) if len(old[1]) == lo - i * B else ("mixed", ())
+        self._writes = []
+
+    def _check_table(self, rid: str, table: Sequence[int], toks: Sequence[int], chain: list[int], nc: int, B: int,
+                     fail: Callable[[str, str], None]) -> None:
+        """The blocks of ``table`` covering positions ``0 .. nc - 1`` hold exactly those tokens,
+        each after its own prefix (``block_holds_prefix``)."""
+        kv = self._kv
+        for i in range(-(-nc // B)):
+            b = table[i]
+            want = (chain[i], tuple(toks[i * B:min((i + 1) * B, nc)]))
+            got = kv.get(b)
+            if got != want:
+                what = "nothing" if got is None else "another prefix's KV" if got[0] != want[0] else \
+                    f"tokens {list(got[1])}"
+                fail("block_holds_prefix", f"{rid}: block {i} ({b}) of its table should hold its tokens "
+                                           f"{i * B}..{min((i + 1) * B, nc) - 1} {list(want[1])} after its own "
+                                           f"prefix; it holds {what}")
+
+    def _check_block_contents(self, sched: Any, fail: Callable[[str, str], None]) -> None:
+        """``block_holds_prefix``: every resident request's block at position ``i`` holds the KV of
+        exactly its own tokens ``[i*B, min((i+1)*B, nc))`` after its own tokens ``[0, i*B)`` (the
+        chain), for every block it has computed into or shared. A chaining, position or eviction
+        bug in prefix caching (a hit on a block of another prefix) fails it. O(resident tokens)."""
+        B = sched.config.block_tokens
+        for s in sched.state.running:
+            nc = s.num_computed_tokens
+            if nc:
+                toks = [*s.req.prompt, *s.req.generated]
+                self._check_table(s.request_id, s.block_table, toks, self._chain(s, toks, -(-nc // B), B), nc, B,
+                                  fail)
+        final = lc.FINAL_STATES  # a record that left is not kept alive by the memo
+        self._chains = {k: v for k, v in self._chains.items() if k.state not in final}
 
     def count_forward(self, execute_model: Any, backend: Any) -> tuple[Any, Any]:
         """Wrap the backend for one tick so its calls are counted (``one_forward_per_tick``);
@@ -535,10 +643,14 @@ class InvariantChecker:
             fail("batch_kv_within_cap", f"batch of {len(batch)} holds {sum(kv_at_forward)} blocks by "
                                         f"kv_blocks_for, cap {cfg.kv_cap_blocks}")
         check_state(sched, finished=done, tick_no=tick_no)
-        if self._snap is not None and self._ref is not None:
+        self._apply_writes(cfg.block_tokens, fail)
+        self._check_block_contents(sched, fail)
+        if self._snap is None:
+            self.skips[self._why] += 1
+        elif self._ref is not None:
             # submitted (a record the snapshot lacks) or aborted while forward ran: not the reference's tick
             if st.stats.finish_reasons["abort"] != self._outside or any(s not in self._known for s in st.by_obj.values()):
-                self.skipped += 1
+                self.skips["outside"] += 1
             else:
                 self._check_reference(sched, plan, tokens, now_s, fail)
                 self.checked += 1
@@ -583,9 +695,9 @@ class InvariantChecker:
             if not _same(turns, want_turns):
                 fail("reference_state", f"round robin's queues: the rules give {_show(want_turns)}, the policy "
                                         f"{_show(turns)}")
-        if snap.policy == "vtc" and (dict(p._counter) != want.counters or p.floor != want.floor):  # noqa: SLF001
+        if snap.policy == "vtc" and (_counters(p) != want.counters or p.floor != want.floor):
             fail("reference_state", f"VTC counters/floor: the rules give {want.counters}/{want.floor}, the "
-                                    f"policy {dict(p._counter)}/{p.floor}")  # noqa: SLF001
+                                    f"policy {_counters(p)}/{p.floor}")
         if now_s is not None:
             for key in want.first_token:
                 if not _same_time(key.req.started_at, now_s):
@@ -624,7 +736,12 @@ def snapshot(sched: Any) -> Any:
     from spec import reference  # noqa: PLC0415
 
     p, st, c = sched.policy, sched.state, sched.config
-    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy else \
+    try:
+        from batch.scaleout.counters import GlobalVTCPolicy  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - the module needs nothing beyond the core
+        GlobalVTCPolicy = None  # noqa: N806
+    glob = GlobalVTCPolicy is not None and type(p) is GlobalVTCPolicy
+    kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy or glob else \
         "rr" if type(p) is RoundRobinPolicy else None
     if kind is None or c.prefix_caching:  # shared blocks: checked on the pool (check_state), not modelled
         return None
@@ -640,9 +757,16 @@ def snapshot(sched: Any) -> Any:
     elif kind == "rr":
         snap.turns = list(p._queues)  # noqa: SLF001
     else:
-        snap.counters, snap.floor, snap.weights = dict(p._counter), p.floor, dict(p.weights)  # noqa: SLF001
+        snap.counters, snap.floor, snap.weights = _counters(p), p.floor, dict(p.weights)
+        snap.forgets = not glob
         snap.tol, snap.prices = p.tolerance_tokens * fr.COUNTER_SCALE, (p.prompt_price, p.output_price)
     return snap
+
+
+def _counters(p: Any) -> dict[str, int]:
+    """VTC's counters as the policy reads them (``counter(u)``), for every user it keeps a counter
+    for or, under ``GlobalVTCPolicy``, adds others' service to."""
+    return {u: p.counter(u) for u in (*p._counter, *getattr(p, "_add", ()))}  # noqa: SLF001
 
 
 def _same_time(a: Any, b: Any) -> bool:
@@ -667,3 +791,94 @@ def _show(x: Any) -> Any:
 def _diff(want: Any, got: Any) -> str:
     return ", ".join(f"{f}={getattr(want, f)!r} (scheduler: {getattr(got, f)!r})"
                      for f in want.__dataclass_fields__ if f != "key" and getattr(want, f) != getattr(got, f))
+
+
+class ProductionChecker:
+    """The cheap subset of the checks, for production (``Scheduler(production_checks=True)``,
+    on by default in ``batch-llm serve``): O(batch + victims) per tick, nothing that walks every
+    request or the whole pool.
+
+    * before ``forward`` (after ``commit``): ``batch_kv_within_cap`` (blocks in use, and without
+      prefix caching the batch's block tables, at most the cap) and, without prefix caching,
+      ``ledger_delta``: blocks in use changed by exactly the blocks granted less those the victims
+      held. A violation here raises ``PlanPastCapError`` (a ``BackendError``): the scheduler rolls
+      the tick back, so such a plan never reaches the backend, and its retry policy applies
+      (``max_backend_tries``: the batch fails with ``"error"`` and serving goes on).
+    * after the tick: ``ledger_delta`` again (blocks in use fell by what the finished rows held;
+      not compared in a tick during whose ``forward`` another thread aborted a request),
+      ``resident_covered`` / ``waiting_holds_nothing`` / ``final_holds_nothing`` for each row and
+      victim, and with prefix caching ``refcount_held`` (each block a row took this tick, granted
+      or hit, has a reference count and is not free). A violation here is logged and counted, and
+      serving goes on.
+
+    Every violation is logged (logger ``batch.checks``, at ERROR) and counted by property in
+    ``violations`` (``/metrics``: ``batch:invariant_violations_total{property}``).
+    """
+
+    def __init__(self) -> None:
+        import logging  # noqa: PLC0415
+
+        self.log = logging.getLogger("batch.checks")
+        self.ticks = 0
+        self.violations: Counter[str] = Counter()
+        self._used = 0  # blocks in use before commit, then after it
+        self._victims = 0  # blocks the plan's victims held
+        self._pre: list[int] = []  # each row's table length before commit (prefix caching)
+        self._held: list[int] = []  # each row's table length at forward
+        self._aborts = 0  # aborts counted at forward (one during forward frees blocks outside the plan)
+
+    def _violation(self, prop: str, detail: str) -> str:
+        self.violations[prop] += 1
+        self.log.error("invariant %s violated: %s", prop, detail)
+        return f"invariant {prop} violated: {detail}"
+
+    def before_commit(self, sched: Any, plan: Any) -> None:
+        """Before ``commit``: what the ledger is to be compared with."""
+        self._used = sched.state.pool.num_used
+        self._victims = sum(len(v.block_table) for v in plan.preempted)
+        if sched.config.prefix_caching:
+            self._pre = [len(s.block_table) for s in plan.seqs]
+
+    def before_forward(self, sched: Any, plan: Any) -> str | None:
+        """After ``commit``, before ``forward``: the message of the first violation, or ``None``."""
+        cfg, pool = sched.config, sched.state.pool
+        cap = cfg.kv_cap_blocks
+        used = pool.num_used
+        self._held = held = [len(s.block_table) for s in plan.seqs]
+        kv = used if cfg.prefix_caching else sum(held)
+        if not (kv_within_cap(used, cap) and batch_kv_within_cap([kv], cap)):
+            return self._violation("batch_kv_within_cap", f"{used} blocks in use, the batch's tables hold {kv}, "
+                                                          f"cap {cap}")
+        if not cfg.prefix_caching and used != self._used + sum(plan.new_blocks) - self._victims:
+            return self._violation("ledger_delta", f"{used} blocks in use after commit; {self._used} before, "
+                                                   f"{sum(plan.new_blocks)} granted, victims held {self._victims}")
+        self._used = used
+        self._aborts = sched.state.stats.finish_reasons["abort"]
+        return None
+
+    def after_tick(self, sched: Any, plan: Any) -> None:
+        """After ``apply``: log and count what does not hold (the tick stays applied)."""
+        self.ticks += 1
+        cfg, pool = sched.config, sched.state.pool
+        B, prefix = cfg.block_tokens, cfg.prefix_caching
+        final, resident = lc.FINAL_STATES, lc.RESIDENT_STATES
+        if not prefix and sched.state.stats.finish_reasons["abort"] == self._aborts:  # another thread's abort
+            gone = sum(h for s, h in zip(plan.seqs, self._held) if s.state in final)
+            if pool.num_used != self._used - gone:
+                self._violation("ledger_delta", f"{pool.num_used} blocks in use after the tick; {self._used} at "
+                                                f"forward, the finished held {gone}")
+        for i, s in enumerate(plan.seqs):
+            h = len(s.block_table)
+            if s.state in resident:
+                if not resident_covered(h, s.num_tokens, B):
+                    self._violation("resident_covered", f"{s.request_id}: holds {h} blocks for {s.num_tokens} tokens")
+                if prefix:
+                    bad = [b for b in s.block_table[self._pre[i]:] if pool.refs[b] < 1 or pool._is_free[b]]  # noqa: SLF001
+                    if bad:
+                        self._violation("refcount_held", f"{s.request_id}: took blocks {bad} that are free or have "
+                                                         f"no reference count")
+            elif s.state in final and h:
+                self._violation("final_holds_nothing", f"{s.request_id}: {s.state} with {h} blocks")
+        for s in plan.preempted:
+            if s.state in lc.WAITING_STATES and not waiting_holds_nothing(len(s.block_table), s.num_computed_tokens):
+                self._violation("waiting_holds_nothing", f"{s.request_id}: {s.state} with {len(s.block_table)} blocks")

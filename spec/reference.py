@@ -26,7 +26,9 @@ It is written from the rules in ``spec.rules`` and ``spec.fairness_rules`` and t
 admission order from the counters and the requests' ``order_no`` rather than the policy's heaps,
 derives the resume-first candidates from the requests' states, and recounts every share from
 the request lists at each use. It models ``FCFSPolicy``, ``RoundRobinPolicy`` and ``VTCPolicy``
-exactly; for other policies the checker skips it. A bug shared by the reference and the code (a
+exactly, and the scale-out's ``GlobalVTCPolicy`` on its view of the counters (``Snapshot.forgets``
+off); for other policies, and for prefix caching (hits, shared blocks), the checker skips it and
+counts the tick (``InvariantChecker.skips``). A bug shared by the reference and the code (a
 wrong ``spec/`` rule) is for the z3 proofs.
 """
 from __future__ import annotations
@@ -116,6 +118,8 @@ class Snapshot:
     arrivals: int = 0
     protected: Any = None  # State.protected: the last request admitted as the protected holder, until it
     # is preempted or leaves (it is protected while ``fairness_rules.protected`` holds)
+    forgets: bool = True  # VTC forgets idle users at the floor and levels at idle; the scale-out's
+    # GlobalVTCPolicy does neither (its store says whom to forget): ``counters`` are then its view
 
     def weight(self, user: str) -> int:
         return self.weights.get(user, 1) if self.policy == "vtc" else 1
@@ -496,9 +500,11 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
             counters[u] = fr.charged_counter(counters.get(u, 0), fr.service_units(p, o, pp, op), snap.weight(u))
         live = lc.RESIDENT_STATES | lc.WAITING_STATES
         after = {r.user for r in reqs.values() if r.state in live}
-        if active - after and not after:  # the last active user went idle: everyone starts level
+        if not snap.forgets:
+            pass
+        elif active - after and not after:  # the last active user went idle: everyone starts level
             floor = fr.idle_floor(floor, max(counters.values(), default=0))
-        for u in [u for u in counters if u not in after and fr.forgettable(counters[u], floor)]:
+        for u in [u for u in counters if snap.forgets and u not in after and fr.forgettable(counters[u], floor)]:
             del counters[u]  # an idle user at or below the floor is forgotten
     b = reqs.get(plan.blocked) if plan.blocked is not None else None
     if b is not None and b.state in lc.WAITING_STATES:

@@ -14,13 +14,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # tests import: bench, bench_fairness, bench_load, bench_throughput, vllm_compare, ...).
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+# Every Scheduler the tests build, in this process or in one it starts (``batch-llm serve``, a Ray
+# replica: they inherit the environment), evaluates the spec checks around every tick
+# (spec/invariants.py) and raises InvariantViolation naming the property.
+os.environ["BATCH_CHECK_INVARIANTS"] = "1"
+
 import inference_stub  # noqa: E402
 import scheduler  # noqa: E402
 from inference_stub import Request  # noqa: E402
 
-# Every Scheduler the tests build evaluates the spec invariants after every tick
-# (spec/invariants.py) and raises InvariantViolation naming the property.
-scheduler.CHECK_INVARIANTS = True
+scheduler.CHECK_INVARIANTS = True  # scheduler may have been imported before this file (a plugin)
 
 #: ``make test`` (and so CI, ``.ci/run``) sets ``BATCH_REQUIRE_ALL=1``: every test runs, and one
 #: that would be skipped (a missing extra such as ``scaleout`` or ``model``, vllm outside

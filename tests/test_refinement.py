@@ -6,11 +6,11 @@ from conftest import make_req
 
 import request_gen
 from batch.core import step
+from batch.policies.policy import FCFSPolicy
 from batch.policies.vtc import VTCPolicy
 from scheduler import Scheduler
 from spec import rules
 from spec.invariants import InvariantViolation
-from spec.refinement import MAX_SLOTS
 
 
 def _eos_at_max(batch):
@@ -48,12 +48,36 @@ def test_every_tick_under_kv_pressure_is_a_step_of_the_model(policy, seed):
     assert s._checker.checked == ticks
 
 
-def test_ticks_with_more_slots_than_the_limit_are_counted_not_validated():
-    s = Scheduler(check_invariants=True, kv_cap_blocks=2048, backend=_eos_at_max, clock=lambda: 0.0)
-    for i in range(MAX_SLOTS + 5):
+def test_a_tick_of_any_width_is_validated_by_both_tick_checks():
+    """No width limit (it was 64 slots): a tick admitting 256 requests is a step of the model,
+    and the reference checks it."""
+    s = Scheduler(check_invariants=True, kv_cap_blocks=4096, backend=_eos_at_max, clock=lambda: 0.0,
+                  policy=FCFSPolicy())
+    for i in range(300):
         s.submit(make_req(f"r{i}", user=f"u{i % 3}", n_prompt=8, max_tokens=4))
-    s.tick()  # admits all of them: more slots than MAX_SLOTS
-    assert s._checker.validator.skipped == 1
+    s.tick()  # admits all of them: 300 slots
+    assert len(s.running) == 256  # max_running
+    assert s.check_stats() == {"ticks": 1, "reference_checked": 1, "reference_skipped": {},
+                               "trace_checked": 1, "trace_skipped": {}}
+
+
+def test_the_reference_checks_ticks_with_over_400_requests_in_flight():
+    s = Scheduler(check_invariants=True, kv_cap_blocks=64, backend=_eos_at_max, clock=lambda: 0.0)
+    for i in range(450):
+        s.submit(make_req(f"r{i}", user=f"u{i % 5}", n_prompt=8, max_tokens=2))
+    for _ in range(3):
+        s.tick()
+    st = s.check_stats()
+    assert st["reference_checked"] == 3 and st["reference_skipped"] == {}, st
+
+
+def test_a_validator_with_a_slot_limit_counts_wider_ticks_as_wide():
+    s = Scheduler(check_invariants=True, kv_cap_blocks=2048, backend=_eos_at_max, clock=lambda: 0.0)
+    s._checker.validator.max_slots = 4
+    for i in range(9):
+        s.submit(make_req(f"r{i}", user=f"u{i % 3}", n_prompt=8, max_tokens=4))
+    s.tick()
+    assert s.check_stats()["trace_skipped"] == {"wide": 1} and s._checker.validator.skipped == 1
 
 
 class _Unmodelled(VTCPolicy):
@@ -119,3 +143,26 @@ def test_a_running_request_left_out_without_a_reason_is_not_a_step_of_the_model(
     with pytest.raises(InvariantViolation) as e:
         _run(s, [make_req(f"r{i}", n_prompt=8, max_tokens=6) for i in range(4)])
     assert e.value.property == prop
+
+
+def test_the_reference_checks_the_scale_out_policy_on_its_view_of_the_global_counters():
+    """``GlobalVTCPolicy`` (two replicas syncing through ``GlobalCounters`` between ticks): every
+    tick of both is checked by the reference on the policy's view (own + others' service + lifts)."""
+    from batch.scaleout.counters import GlobalCounters, GlobalVTCPolicy
+
+    store = GlobalCounters()
+    reps = [Scheduler(check_invariants=True, kv_cap_blocks=48, backend=_eos_at_max, clock=lambda: 0.0,
+                      policy=GlobalVTCPolicy(replica_id=f"r{k}")) for k in range(2)]
+    for i, req in enumerate(request_gen.stream(n=24, lam=50.0, seed=3)):
+        reps[i % 2].submit(req)
+    for _ in range(3000):
+        for s in reps:
+            s.tick()
+            s.policy.sync(store)
+        if not any(s.has_active() for s in reps):
+            break
+    assert not any(s.has_active() for s in reps)
+    assert any(s.policy.offset(u) for s in reps for u in s.policy._counter)  # the views did include others' service
+    for s in reps:
+        st = s.check_stats()
+        assert st["reference_skipped"] == {} and st["reference_checked"] == st["ticks"] > 0, st

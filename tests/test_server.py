@@ -29,6 +29,7 @@ from batch.server.app import ServerConfig, create_app  # noqa: E402
 from batch.server.engine import Engine, SeededGPU  # noqa: E402
 from batch.server.serve import build_engine, load_config  # noqa: E402
 from batch.server.tokenizer import WordTokenizer  # noqa: E402
+from spec.invariants import InvariantViolation  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
 MODEL = "batch-sim"
@@ -70,6 +71,9 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+        # the engine ran checked (conftest), and no spec check failed in its thread
+        assert self.engine.scheduler._checker is not None
+        assert not isinstance(self.engine.error, InvariantViolation), self.engine.error
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health").json()
@@ -478,8 +482,7 @@ class _FailingGPU(SeededGPU):
 
 
 def test_backend_failure_fails_the_batch_not_the_server():
-    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
-                              check_invariants=False))
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False))
     with LiveServer(engine=engine) as s:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "BAD x y", "max_tokens": 5})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -506,6 +509,59 @@ def test_engine_death_answers_503_and_fails_waiting_requests():
         h = httpx.get(f"{s.url}/health")
         assert h.status_code == 503 and h.json()["status"] == "error" and not h.json()["engine_alive"]
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+@pytest.mark.parametrize("kw", [{}, {"policy": "fcfs"}, {"policy": "round-robin"}, {"prefix_caching": True}])
+def test_the_server_runs_with_the_spec_checks_on_in_the_test_suite(kw):
+    """``build_engine`` follows ``Scheduler``'s default (on under ``tests/conftest.py``): the served
+    ticks are checked, and the two tick checks validated them (with prefix caching neither models
+    the tick: the state and block-content invariants ran, and the ticks are counted as skipped)."""
+    with LiveServer(time_scale=0.01, **kw) as s:
+        client = s.openai()
+        system = " ".join(f"w{i}" for i in range(40))  # a shared prefix of two full blocks and more
+        for p in (f"{system} then a", f"{system} then b"):
+            client.completions.create(model=MODEL, prompt=p, max_tokens=4)
+        s.drained()
+        st = s.engine.scheduler.check_stats()
+        assert st is not None and st["ticks"] > 0
+        m = bench_serve.scrape(s.url)  # the production subset is on by default in batch-llm serve
+        assert m["batch:invariant_checked_ticks_total"] > 0 and "batch:invariant_violations_total" not in str(m)
+        if kw.get("prefix_caching"):
+            assert st["reference_skipped"] == st["trace_skipped"] == {"prefix_caching": st["ticks"]}, st
+            assert s.engine.scheduler.metrics()["prefix_cache_hits"] > 0  # the shared system prompt hit
+        else:
+            assert st["reference_checked"] > 0 and st["trace_checked"] > 0, st
+
+
+@pytest.mark.parametrize("production_checks", [False, True])
+def test_a_planted_ledger_bug_in_the_served_scheduler_is_caught(monkeypatch, production_checks):
+    """The served scheduler is checked. A tick that leaks a block (planted): with the production
+    subset off, the suite's full checks stop the engine with an ``InvariantViolation`` (503); with
+    it on (``batch-llm serve``'s default) the plan never reaches the backend, the request fails
+    (500, the retry policy) and ``/metrics`` counts the violation, and the server goes on."""
+    from batch.core import step  # noqa: PLC0415
+
+    real = step.commit
+
+    def leaky(state, plan):  # one extra block taken from the pool and held by nobody
+        journal = real(state, plan)
+        if plan.seqs and state.pool.num_free:
+            state.pool.allocate(1)
+        return journal
+    with LiveServer(time_scale=0.01, production_checks=production_checks) as s:
+        forwarded = []
+        gpu = s.engine.scheduler._backend
+        monkeypatch.setattr(s.engine.scheduler, "_backend", lambda batch: forwarded.append(len(batch)) or gpu(batch))
+        monkeypatch.setattr(step, "commit", leaky)
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        if production_checks:
+            assert r.status_code == 500 and forwarded == [], (r.status_code, forwarded)
+            assert _metric(s.url, 'batch:invariant_violations_total{property="ledger_delta"}') == 3  # three tries
+            assert s.engine.alive and s.engine.error is None
+        else:
+            assert r.status_code == 503 and "invariant" in r.json()["error"]["message"]
+            assert isinstance(s.engine.error, InvariantViolation)
+            s.engine.error = None  # the violation is this test's point: let __exit__'s check pass
 
 
 # ---------------------------------------------------------------- fairness over HTTP
@@ -1034,8 +1090,7 @@ def test_max_tokens_reached_is_finish_reason_length():
 
 
 def test_bench_serve_counts_a_failed_stream_as_an_error():
-    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False,
-                              check_invariants=False))
+    engine = Engine(Scheduler(backend=_FailingGPU(time_scale=0.05), max_backend_tries=3, record_itl=False))
     with LiveServer(engine=engine) as s:
         results = [asyncio.run(bench_serve.run_jobs(s.url, [bench_serve.Job(user="u", prompt_words=3,
                                                                            max_tokens=5, tag=tag)]))[0][0]

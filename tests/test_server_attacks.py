@@ -41,6 +41,7 @@ from batch.server import bench_serve  # noqa: E402
 from batch.server.app import ServerConfig, create_app  # noqa: E402
 from batch.server.auth import Identities, KeyRing  # noqa: E402
 from batch.server.serve import build_engine  # noqa: E402
+from spec.invariants import InvariantViolation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"sk-alice-1": "alice", "sk-bob-1": "bob"}
@@ -84,6 +85,9 @@ class GuardedServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+        # the engine ran checked (conftest), and no spec check failed in its thread
+        assert self.engine.scheduler._checker is not None
+        assert not isinstance(self.engine.error, InvariantViolation), self.engine.error
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         return bench_serve.scrape(self.url, headers=headers)

@@ -28,6 +28,8 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 | ``batch:iteration_seconds_per_token_total`` | counter | sum over tokens of their tick's wall time |
 | ``batch:engine_output_tokens_total`` | counter | output tokens the engine produced |
 | ``batch:engine_cpu_seconds_total`` | counter | CPU seconds of the engine thread |
+| ``batch:invariant_checked_ticks_total`` | counter | ticks the production checks ran on (``Scheduler(production_checks=True)``, ``batch-llm serve``'s default; absent when off) |
+| ``batch:invariant_violations_total{property}`` | counter | production-check violations, by the violated property (each also logged by ``batch.checks``) |
 | ``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ... | | the server process (``prometheus_client``'s) |
 """
 from __future__ import annotations
@@ -84,6 +86,15 @@ class _SchedulerCollector:
                                   self.engine.tokens_out)
         yield CounterMetricFamily("batch:engine_cpu_seconds", "CPU seconds of the engine thread (scheduler, "
                                   "backend's Python, hand-over).", self.engine.cpu_s)
+        guard = getattr(self.engine.scheduler, "_guard", None)
+        if guard is not None:  # spec.invariants.ProductionChecker
+            yield CounterMetricFamily("batch:invariant_checked_ticks", "Ticks the production checks ran on.",
+                                      guard.ticks)
+            v = CounterMetricFamily("batch:invariant_violations", "Production-check violations, by property "
+                                    "(logged by batch.checks).", labels=["property"])
+            for prop, n in list(guard.violations.items()):
+                v.add_metric([prop], n)
+            yield v
 
 
 class ServerMetrics:

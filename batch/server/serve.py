@@ -101,7 +101,8 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
                  eos_probability: float = inference_stub.EOS_PROBABILITY, policy: str = "vtc",
                  weights: dict[str, int] | None = None, kv_cap_blocks: int | None = None,
                  max_running: int | None = None, device: str | None = None, dtype: str = "float32",
-                 check_invariants: bool = False, prefix_caching: bool = False) -> tuple[Engine, Tokenizer, str]:
+                 check_invariants: bool | None = None, prefix_caching: bool = False,
+                 production_checks: bool = True) -> tuple[Engine, Tokenizer, str]:
     """The engine (scheduler + backend) and tokenizer ``batch-llm serve`` runs.
 
     Args:
@@ -113,7 +114,12 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
         policy: ``vtc`` (with ``weights``), ``fcfs`` or ``round-robin``.
         kv_cap_blocks, max_running: scheduler knobs (defaults: the stub's 256 blocks, 256).
         device, dtype: the model backend's.
-        check_invariants: evaluate the spec invariants after every tick (slow; tests).
+        check_invariants: evaluate the spec invariants around every tick (slow); ``None`` follows
+            ``Scheduler``'s default (``scheduler.CHECK_INVARIANTS``, which ``tests/conftest.py`` turns
+            on, so every server test runs checked).
+        production_checks: the cheap subset (``Scheduler(production_checks=True)``: the KV cap before
+            ``forward``, the ledger, reference counts; O(batch) per tick), on by default: a violation is
+            logged and counted in ``/metrics``, and a plan past the cap never reaches the backend.
         prefix_caching: share full prompt blocks by content (``Scheduler(prefix_caching=True)``):
             every tokenizer here gives a shared text prefix (a system prompt) the same leading
             ids, so a repeated one hits; ``/metrics`` counts ``batch:prefix_cache_hits`` / ``_queries``.
@@ -132,6 +138,7 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
     pol = VTCPolicy(weights=weights or {}) if policy == "vtc" else (
         FCFSPolicy() if policy == "fcfs" else RoundRobinPolicy())
     kw: dict[str, Any] = {"policy": pol, "record_itl": False, "check_invariants": check_invariants,
+                          "production_checks": production_checks,
                           "max_latency_samples": LATENCY_SAMPLES,  # /metrics has its own histograms
                           "max_backend_tries": 3,  # a failing backend fails its batch, not the server
                           "prefix_caching": prefix_caching}
