@@ -497,3 +497,161 @@ def test_a_readme_example_runs(start, code, capsys):
         assert all(r.user_id for r in namespace["reqs"]) and namespace["sched"].has_active()
     if ".abort(" in code:  # the output its last line's comment shows
         assert out == code.rstrip().rsplit("# ", 1)[1] + "\n" == "3 False {'abort': 1}\n"
+
+
+# ---------------------------------------------------------------- no figure typed in prose
+
+#: A measured quantity: a number with a unit of time, share, ratio, rate or size. Counts of tokens,
+#: blocks or requests are left out: in prose they size a workload or a limit (an input), and the
+#: results they produce are read in the generated files.
+UNIT_RE = re.compile(r"(?<![\w.\-/=])[+\-−~]?\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?\s?"
+                     r"(?:ms|s|µs|us|ns|min|seconds?|minutes?|hours?|%|x|×|tok/s|tokens/s|req/s|requests/s|"
+                     r"MB|GB|KB|KiB|MiB|GiB|bytes)(?![\w/])")
+#: A number with a decimal point (a version, ``Python 3.11``, ``Llama-3.1``, ``0.11.0``, is not one).
+PROSE_DECIMAL_RE = re.compile(r"(?<![\w.\-])\d+\.\d+(?![\w.])")
+VERSION_RE = re.compile(r"\b(?:Python|vLLM|CUDA|version|v)\s?\d+(?:\.\d+)+")
+#: A sentence that names the generated file its figures come from.
+SOURCE_RE = re.compile(r"results/[\w.-]+\.(?:md|json)|\b(?:benchmarks|benchmarks-big|mutants)\.md\b")
+#: Definitions, not measurements: each is a code default, named here with the constant that makes
+#: it, and checked against it (``test_each_allowed_definition_is_its_code_constant``).
+DEFINITIONS = {
+    "5 ms": ("inference_stub.py", "ITERATION_BASE_S", 0.005),      # the stub's step cost: 5 ms a step
+    "1 ms": ("inference_stub.py", "ITERATION_PER_REQUEST_S", 0.001),  # + 1 ms a request in the batch
+    "4 MiB": ("batch/server/app.py", "max_body_bytes", 4 * 1024 * 1024),  # the largest request body
+}
+
+
+def prose_units(text: str) -> list[tuple[int, str]]:
+    """(first line, text) of every sentence, list item, heading and table row of ``text`` outside
+    fenced blocks, generated regions and HTML comments; code spans and link targets blanked."""
+    generated = in_generated_region(text)
+    units: list[tuple[int, str]] = []
+    para: list[tuple[int, str]] = []
+
+    def flush() -> None:
+        if para:
+            joined = " ".join(t for _, t in para)
+            for sentence in re.split(r"(?<=[.!?:;])\s+(?=[A-Z(\[*_\"])", joined):
+                units.append((para[0][0], sentence))
+            para.clear()
+
+    for n, line in enumerate(strip_code_blocks(text).splitlines(), 1):
+        if generated(n):
+            flush()
+            continue
+        bare = re.sub(r"`[^`\n]*`", "``", re.sub(r"<!--.*?-->", "", line))
+        bare = re.sub(r"\]\(([^)]*)\)", lambda m: "](" + m.group(1).split("#")[0] + ")", bare)
+        if not bare.strip() or bare.lstrip().startswith(("|", "#")) or re.match(r"^\s*(?:[-*+]|\d+\.)\s", bare):
+            flush()
+            if bare.strip():
+                (units.append((n, bare)) if bare.lstrip().startswith(("|", "#")) else para.append((n, bare)))
+            continue
+        para.append((n, bare))
+    flush()
+    return units
+
+
+def typed_figures(doc: Path) -> list[tuple[int, str]]:
+    """(line, figure) of each figure typed in ``doc``'s prose: a number with a unit or a decimal
+    point outside a generated region or code, in a sentence that names no generated file, and not
+    one of ``DEFINITIONS``."""
+    text = doc.read_text()
+    if generated_file(text):
+        return []
+    out = []
+    for n, unit in prose_units(text):
+        if SOURCE_RE.search(unit):
+            continue
+        plain = VERSION_RE.sub("", re.sub(r"\]\([^)]*\)", "]", unit))
+        for m in [*UNIT_RE.finditer(plain), *PROSE_DECIMAL_RE.finditer(plain)]:
+            fig = m.group(0).strip()
+            if fig not in DEFINITIONS and not any(fig in u.group(0) for u in UNIT_RE.finditer(plain)
+                                                  if u.group(0).strip() != fig and u.start() <= m.start() < u.end()):
+                out.append((n, fig))
+    return out
+
+
+#: Figures typed by hand that are still in the docs (issue 43): each to be embedded, pointed at its
+#: generated file or removed. The list only shrinks: a figure typed anew fails, and so does an entry
+#: no longer found (remove it). An entry is a figure's text in that doc: the same text typed again
+#: elsewhere in the same doc is not seen.
+KNOWN_TYPED: dict[str, set[str]] = {
+    'docs/design.md': {
+        '1%', '5%', '8 bytes',
+    },
+    'docs/fairness.md': {
+        '1.2', '1.5', '2x', '36 ms', '40 ms', '6 minutes', '6 ms', '~35 ms',
+    },
+    'docs/glossary.md': {
+        '2x',
+    },
+    'docs/prefix-caching.md': {
+        '0.7', '1 s', '1.2', '33.33%', '34.38%', '40-66%',
+    },
+    'docs/reliability.md': {
+        '0.3', '10 us', '2 s', '40 s',
+    },
+    'docs/scale-out.md': {
+        '+2.4 MB', '+53.6 MB', '0.01 s', '0.013', '0.019', '0.02', '0.03', '0.05 s', '0.059', '0.13', '0.151',
+        '0.2 s', '0.326', '0.333', '0.360', '0.374', '0.379', '0.418', '0.44', '0.442', '0.46', '0.480', '0.492',
+        '0.498', '0.5 s', '0.55', '0.92', '0.95', '0.96', '0.97', '0.99', '1 s', '1-3 s', '1.02', '1.11', '1.17',
+        '1.26', '1.38', '1.4 GB', '1.42', '1.51', '1.59', '1.5x', '1.7x', '1.8 GB', '1.8x', '1.93', '10 s', '12 s',
+        '2 minutes', '2 s', '2.18', '2.2x', '2.5x', '25 bytes', '3 hours', '3 s', '3.4', '30 s', '34 s', '37 s',
+        '400 MB', '400s', '401s', '490 MB', '5 MB', '5 s', '5-10 s', '56 s', '563 bytes', '6 s', '6.9',
+        '60 requests/s', '7 s', '77 s', '8 s', '80 s', '845 bytes', '91-102 s',
+    },
+    'docs/server.md': {
+        '+1.2 MB', '+17.6 MB', '+5.4 MB', '0.02', '0.1 s', '0.25', '0.25 ms', '0.45 ms', '0.5', '0.54', '0.55',
+        '0.88', '1 s', '1.06', '1.25 ms', '1.5x', '10 ms', '10%', '100 ms', '1000 bytes', '108 ms', '109 ms',
+        '133 ms', '14 s', '15 s', '166 ms', '19 ms', '2 MB', '2 minutes', '2 ms', '2.3', '20 us', '226.3 us',
+        '228.1 us', '240 ms', '2x', '3 minutes', '3.79', '30 MB', '300 bytes', '32 bytes', '40 bytes', '40 s',
+        '401s', '5 MB', '50 minutes', '50 ms', '55%', '5x', '6.3', '66 bytes', '73 ms', '8 bytes', '921 bytes',
+        '97%',
+    },
+    'docs/spec.md': {
+        '100 s', '1000 x', '2 s', '200 x', '4.15', '5.4', '60 s',
+    },
+    'docs/throughput.md': {
+        '0.90', '0.92', '1.26 GiB', '1.79 GiB', '10%', '128 KiB', '128 x', '14.96 GiB', '18.01', '19.50 requests/s',
+        '2 MiB', '2 bytes', '2407.08608', '3.35', '54.87 GiB', '70 GiB', '79.22 GiB', '79.22 x', '80 GB',
+    },
+    'docs/vllm-plugin.md': {
+        '+0.3%', '+0.52%', '+0.6%', '+0.64%', '-0.11%', '-0.16%', '-0.86%', '-1.05%', '0.86x', '1%', '1.00x',
+        '1.07x', '1.14x', '1.1x', '1.2-1.3 s', '1.2x', '1.5x', '13.0 ms', '13.60x', '2.65x', '2.77x', '3.11x',
+        '300-350 us', '36.0', '40-63 us', '5.02x', '52 ms', '6.46x', '783.9', '784.5 tok/s',
+    },
+    'docs/vllm.md': {
+        '0.3', '0.9', '1.1', '10%', '2.14', '5.21', '90%',
+    },
+}
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS_FILES if d.name not in HISTORY], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_figure_is_typed_in_prose(doc: Path) -> None:
+    rel = str(doc.relative_to(ROOT))
+    found = typed_figures(doc)
+    known = KNOWN_TYPED.get(rel, set())
+    new = [f"{rel}:{n}: {fig}" for n, fig in found if fig not in known]
+    gone = sorted(known - {fig for _, fig in found})
+    assert not new, ("figures typed in prose: embed the step's region (<!-- figures: NAME -->), name the "
+                     "generated file in the sentence (docs/results/NAME.md), or remove them:\n" + "\n".join(new))
+    assert not gone, f"{rel}: no longer typed, remove from KNOWN_TYPED: {gone}"
+
+
+def test_each_allowed_definition_is_its_code_constant() -> None:
+    for phrase, (path, name, value) in DEFINITIONS.items():
+        tree = ast.parse((ROOT / path).read_text())
+        values = [ast.literal_eval(n.value) if not isinstance(n.value, ast.BinOp) else eval(  # noqa: S307
+                  compile(ast.Expression(n.value), path, "eval"), {})
+                  for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+                  and any(isinstance(t, ast.Name) and t.id == name for t in (n.targets if isinstance(n, ast.Assign)
+                                                                              else [n.target]))]
+        assert values == [value], f"{phrase}: {path} sets {name} to {values}, not {value}"
+
+
+def test_the_prose_check_sees_a_typed_figure(tmp_path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("Intro.\n\nThe p99 was 12.5 ms and 3x faster. Each step costs 5 ms.\n\n"
+                   "The share was 0.41 (docs/results/serve-sybil.md).\n\n```\n1.5 s\n```\n\n`--rate 0.5`, 64 tokens.\n\n"
+                   "<!-- figures: demo -->\n99.9 %\n<!-- /figures: demo -->\n\n| a | 7 s |\n")
+    assert [f for _, f in typed_figures(doc)] == ["12.5 ms", "3x", "7 s"]

@@ -3,12 +3,13 @@ print-only step's file opens with the step, command and commit, and a failed ste
 file in place. Nothing here runs a benchmark: the steps run are one-line Python commands."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import NOT_APPLICABLE, ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import figures  # noqa: E402
@@ -129,3 +130,76 @@ def test_every_figures_region_in_the_docs_holds_its_results_file_as_generated():
         regions += len(figures.REGION_RE.findall(text))
         assert figures.embedded(text) == text, f"{doc.relative_to(ROOT)}: run .venv/bin/python tools/figures.py --embed"
     assert regions > 0
+
+
+def _git(repo, *args: str) -> str:
+    import subprocess
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_a_result_older_than_its_inputs_or_made_with_uncommitted_changes_is_stale(tmp_path):
+    """The staleness check itself, on a throwaway repository: a result is fresh at the commit of
+    its last input change or later, stale once an input changes after it, and stale when its
+    header says ``+ uncommitted changes``; a change to a file that is not an input leaves it fresh."""
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "demo.py").write_text("import helper\n")
+    (tmp_path / "bench" / "helper.py").write_text("X = 1\n")
+    (tmp_path / "other.txt").write_text("a\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "inputs")
+    made_at = _git(tmp_path, "rev-parse", "--short", "HEAD")
+    s = figures.Step("demo", (figures.Run((figures.PY, "bench/demo.py")),), ("docs/results/demo.md",),
+                     inputs=("data/",))
+    out = tmp_path / "docs" / "results" / "demo.md"
+    out.parent.mkdir(parents=True)
+
+    def result(commit: str) -> None:
+        out.write_text(figures.HEADER.format(name="demo", command=s.command(), commit=commit, date="d") + "\n")
+
+    assert figures.stale(s, tmp_path) == "docs/results/demo.md: missing"
+    result(made_at)
+    assert figures.stale(s, tmp_path) is None
+    result(made_at + " + uncommitted changes")
+    assert "uncommitted" in figures.stale(s, tmp_path)
+    result("unknown")
+    assert "names no commit" in figures.stale(s, tmp_path)
+    result(made_at)
+    (tmp_path / "other.txt").write_text("b\n")  # not an input
+    _git(tmp_path, "commit", "-qam", "not an input")
+    assert figures.stale(s, tmp_path) is None
+    for changed in ("bench/helper.py", "data/trace.csv"):  # imported by the script; named in inputs
+        (tmp_path / changed).parent.mkdir(exist_ok=True)
+        (tmp_path / changed).write_text(f"{changed}\n")
+        _git(tmp_path, "add", "-A")
+        _git(tmp_path, "commit", "-qm", f"change {changed}")
+        why = figures.stale(s, tmp_path)
+        assert why and f"made at {made_at}, older than" in why
+        result(_git(tmp_path, "rev-parse", "--short", "HEAD"))  # regenerated: fresh again
+        assert figures.stale(s, tmp_path) is None
+        result(made_at)
+
+
+def test_a_steps_inputs_are_the_core_its_scripts_and_what_they_import():
+    paths = figures.BY_NAME["ablation"].input_paths()
+    assert paths[:len(figures.CORE_INPUTS)] == figures.CORE_INPUTS
+    assert {"bench/ablation.py", "bench/bench_fairness.py", "bench/vllm_compare.py"} <= set(paths)
+    assert figures.BY_NAME["run"].input_paths() == figures.CORE_INPUTS
+    for s in figures.STEPS:
+        assert all((ROOT / p).exists() for p in s.input_paths()), s.name
+
+
+#: ``make figures`` regenerates every result at the last commit touching its inputs; until then
+#: (a branch whose code changed after its results) this check runs only when asked.
+FRESH = os.environ.get("BATCH_FIGURES_FRESH") == "1"
+
+
+@pytest.mark.parametrize("s", [s for s in figures.STEPS if s.opt_in is None or (ROOT / s.outputs[0]).exists()],
+                         ids=lambda s: s.name)
+def test_each_result_is_at_least_as_new_as_its_inputs(s):
+    if not FRESH:
+        pytest.skip(NOT_APPLICABLE + "BATCH_FIGURES_FRESH=1 not set (run after make figures; "
+                    "tools/figures.py's stale() names what is out of date)")
+    why = figures.stale(s)
+    assert why is None, f"{why}: make figures ARGS='--only {s.name}'"

@@ -58,3 +58,13 @@ def test_end_to_end_catches_a_cheap_mutant(tmp_path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "caught by the spec checks alone: 1 of 1" in p.stdout, p.stdout
     assert "clean tree: every check passes" in p.stdout
+
+
+def test_docs_mutants_reports_each_held_out_round_apart_as_the_run_gives_it():
+    """docs/mutants.md keeps each held-out round's rate before the checks were extended for it
+    (``ROUNDS``) beside the rate of its run (docs/results/mutants.json), as tools/mutants.py writes it."""
+    import json
+    rows = json.loads((ROOT / "docs/results/mutants.json").read_text())["mutants"]
+    section = "\n".join(mutants.rounds_section(rows))
+    assert section in (ROOT / "docs/mutants.md").read_text()
+    assert {p for p, *_ in mutants.ROUNDS} == {m.name.split("_")[0] + "_" for m in mutants.HELD_OUT}

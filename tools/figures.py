@@ -5,6 +5,7 @@
     .venv/bin/python tools/figures.py --list           # each step: its commands, outputs, default or opt-in
     .venv/bin/python tools/figures.py --only ablation,scaleout-sim
     .venv/bin/python tools/figures.py --all            # the opt-in steps too (bench-big, Ray, ...)
+    .venv/bin/python tools/figures.py --stale          # each result older than its inputs (``stale``)
 
 Each step is one or more commands, each run from the project root in a fresh process. A step
 that writes its own files (``bench/bench.py``: ``docs/benchmarks.md``, its JSON and plots) is
@@ -55,6 +56,14 @@ KEYS_TOML = '[api_keys]\n"sk-alice" = "alice"\n"sk-mallory" = "mallory"\n'
 KEYS_2_1_TOML = '[weights]\nalice = 2\nmallory = 1\n' + KEYS_TOML
 
 
+#: What every step measures: the scheduler (``batch/``, the contract's facade ``scheduler.py``) and
+#: the rules it runs (``spec/``: the policies call ``spec/fairness_rules.py``).
+CORE_INPUTS = ("batch/", "scheduler.py", "spec/", "inference_stub.py", "request_gen.py")
+#: Folders whose scripts, named in a step's command, are inputs of that step (with the modules of
+#: these folders and of the root that they import, ``local_imports``).
+SCRIPT_DIRS = ("bench", "scripts", "tools")
+
+
 @dataclass(frozen=True)
 class Run:
     """One command of a step.
@@ -87,6 +96,8 @@ class Step:
         markdown: the script prints markdown (tables): written as is, not in a fenced block.
         opt_in: why the step runs only with ``--all`` / ``--only`` (None: a default step).
         when_missing: an opt-in step that also runs when one of its outputs is missing.
+        inputs: what the figures depend on besides ``CORE_INPUTS`` and the scripts its commands
+            name (``input_paths``): files or folders (ending in ``/``), relative to the root.
     """
 
     name: str
@@ -96,10 +107,76 @@ class Step:
     markdown: bool = False
     opt_in: str | None = None
     when_missing: bool = False
+    inputs: tuple[str, ...] = ()
 
     def command(self) -> str:
         """Every command of the step as one line (``;`` between them)."""
         return " ; ".join(r.text() for r in self.runs)
+
+    def input_paths(self, root: Path | None = None) -> tuple[str, ...]:
+        """Every path whose change makes this step's outputs stale (``stale``): ``CORE_INPUTS``,
+        each ``.py`` file under ``bench/``, ``scripts/`` or ``tools/`` its commands name, and
+        ``inputs``."""
+        scripts = [a for r in self.runs for a in r.argv if a.endswith(".py") and a.split("/")[0] in SCRIPT_DIRS]
+        closure = [p for s in scripts for p in local_imports(s, root)]
+        return tuple(dict.fromkeys((*CORE_INPUTS, *scripts, *closure, *self.inputs)))
+
+
+def local_imports(script: str, root: Path | None = None) -> list[str]:
+    """The ``.py`` files of ``SCRIPT_DIRS`` and of the root that ``script`` imports, directly or
+    through each other (``import bench_fairness`` in ``bench/ablation.py``: ``bench/bench_fairness.py``),
+    relative to the root; ``script`` itself first. Packages (``batch``, ``spec``) are ``CORE_INPUTS``."""
+    import ast
+
+    root = root or ROOT
+    seen, todo = [], [script]
+    while todo:
+        path = todo.pop()
+        if path in seen or not (root / path).is_file():
+            continue
+        seen.append(path)
+        tree = ast.parse((root / path).read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + [
+            n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+        for name in names:
+            head = name.split(".")[0]
+            for d in (str(Path(path).parent), *SCRIPT_DIRS, "."):
+                cand = str(Path(d) / f"{head}.py")
+                if (root / cand).is_file():
+                    todo.append(cand)
+                    break
+    return seen
+
+
+#: A generated file's first line names the commit it was made at (``HEADER``; bench/bench.py's own).
+COMMIT_RE = re.compile(r" at commit (?P<commit>[0-9a-f]{7,40}|unknown)(?P<dirty> \+ uncommitted changes)?")
+
+
+def _git(*args: str, root: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root or ROOT, capture_output=True, text=True)
+
+
+def stale(step: Step, root: Path | None = None) -> str | None:
+    """Why ``step``'s first output is not a fresh result, or None when it is: the file is missing,
+    its header names no commit, it was made with uncommitted changes, or its commit is older than
+    the last commit touching ``step.input_paths()`` (that commit is not an ancestor of, or equal to,
+    the header's). Needs git and the repository's history."""
+    root = root or ROOT
+    path = root / step.outputs[0]
+    if not path.is_file():
+        return f"{step.outputs[0]}: missing"
+    m = COMMIT_RE.search(path.read_text().split("\n", 1)[0])
+    if not m or m["commit"] == "unknown":
+        return f"{step.outputs[0]}: its first line names no commit"
+    if m["dirty"]:
+        return f"{step.outputs[0]}: made at {m['commit']} + uncommitted changes"
+    last = _git("log", "-1", "--format=%H", "--", *step.input_paths(root), root=root).stdout.strip()
+    if not last:
+        return None
+    if _git("merge-base", "--is-ancestor", last, m["commit"], root=root).returncode != 0:
+        return (f"{step.outputs[0]}: made at {m['commit']}, older than {last[:7]}, the last commit touching "
+                f"its inputs ({', '.join(step.input_paths(root))})")
+    return None
 
 
 def _py(*args: str, vllm: bool = False) -> Run:
@@ -385,13 +462,16 @@ def listing() -> str:
         lines.append(f"{s.name}: {when}")
         lines += [f"  command: {r.text()}" for r in s.runs]
         lines.append(f"  output: {', '.join(s.outputs)}" + (" (its standard output)" if s.capture else ""))
+        lines.append(f"  inputs: {', '.join(s.input_paths())}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (1 if any step failed)."""
     ap = argparse.ArgumentParser(prog="figures", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--list", action="store_true", help="list the steps, their commands and outputs, and exit")
+    ap.add_argument("--list", action="store_true", help="list the steps, their commands, outputs and inputs, and exit")
+    ap.add_argument("--stale", action="store_true",
+                    help="list each result older than its inputs or made with uncommitted changes, and exit")
     ap.add_argument("--only", default=None, help="comma-separated step names (opt-in steps included)")
     ap.add_argument("--all", action="store_true", help="the opt-in steps too")
     ap.add_argument("--embed", action="store_true",
@@ -400,6 +480,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.list:
         print(listing())
         return 0
+    if a.stale:
+        whys = [f"{s.name}: {why}" for s in STEPS if (s.opt_in is None or (ROOT / s.outputs[0]).exists())
+                and (why := stale(s))]
+        print("\n".join(whys) or "every result is fresh")
+        return 1 if whys else 0
     if a.embed:
         print("[figures] embedded in: " + (", ".join(embed()) or "nothing changed"), file=sys.stderr)
         return 0
