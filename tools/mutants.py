@@ -167,8 +167,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "pressure, not at or under it)", "batch/core/step.py",
       "fr.may_take(mine, policy.pressure(q.user_id, count[q.user_id] - 1))",
       "fr.may_take(policy.pressure(q.user_id, count[q.user_id] - 1), mine)"),
-    M("room_from_own_user", "room by pressure may take a request of the head's own user", "batch/core/step.py",
-      "if q.user_id != u and fr.quantum_elapsed(", "if fr.quantum_elapsed("),
+    M("room_count_not_updated", "room by pressure: a victim's user keeps its count once a request is taken, so its "
+      "next request is tested at its pressure before the move (may_take's hysteresis lost)", "batch/core/step.py",
+      "            count[v.user_id] -= 1\n", ""),
     M("holder_not_protected", "the protected reservation holder is offered as a victim within its quantum",
       "batch/core/step.py", "        return [q for q in self.live if not q.pinned and q is not self.protected]",
       "        return [q for q in self.live if not q.pinned]"),
