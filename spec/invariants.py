@@ -433,6 +433,7 @@ class InvariantChecker:
         p = sched.policy
         vars(p)["_checked_by"] = sched  # the scheduler ticking with this policy now
         if "victim" not in vars(p):  # once per policy object: every candidate offered must be preemptible
+            # (the protected request only alone: growth's last resort when every other one is pinned)
             choose = p.victim
 
             def victim(cands: Sequence[Any]) -> Any:
@@ -440,7 +441,7 @@ class InvariantChecker:
                 cfg, state = ticking.config, ticking.state
                 for q in cands:
                     prot = fr.protected(q.holder, q.admit_tick, state.tick_no, cfg.quantum_ticks)
-                    if q.pinned or prot or not fr.may_preempt(q.num_preemptions, cfg.max_preemptions, q.admit_tick,
+                    if q.pinned or (prot and len(cands) > 1) or not fr.may_preempt(q.num_preemptions, cfg.max_preemptions, q.admit_tick,
                                                               state.tick_no):
                         raise InvariantViolation("victim_candidates", f"{q.request_id} offered as a victim (pinned "
                                                  f"{q.pinned}, protected {prot}, preempted {q.num_preemptions} "

@@ -268,10 +268,10 @@ def reference_plan(snap: Snapshot) -> RefPlan:
     def preemptible(r: Req) -> bool:
         return not r.pinned and not is_protected(snap, r)
 
-    def preempt(v: Req) -> None:
+    def preempt(v: Req, last_resort: bool = False) -> None:
         nonlocal budget, free
         assert fr.may_preempt(v.pre, c.max_pre, v.admit_tick, snap.tick), f"victim {v.key} may not be preempted"
-        assert preemptible(v), f"victim {v.key} is pinned or protected"
+        assert preemptible(v) or (last_resort and not v.pinned), f"victim {v.key} is pinned or protected"
         live.remove(v)
         preempted.append(v)
         k, b = grant.pop(v.key, (0, 0))
@@ -282,8 +282,9 @@ def reference_plan(snap: Snapshot) -> RefPlan:
         if s not in live or budget <= 0:
             continue
         need = rules.growth_blocks(s.h, s.n, c.B)
-        while not rules.can_allocate(free, need):
-            preempt(victim(snap, [q for q in live if preemptible(q)]))
+        while not rules.can_allocate(free, need):  # growth: the protected request only when no other is preemptible
+            cands = [q for q in live if preemptible(q)]
+            preempt(victim(snap, cands or [q for q in live if not q.pinned]), not cands)
             if s not in live:
                 break
         if s in live:

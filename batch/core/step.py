@@ -83,10 +83,12 @@ class _Draft:
         held = freed_blocks(st.pool, v, self.preempted, self.cached) if self.cfg.prefix_caching else len(v.block_table)
         return held + (self.nblk[self.seqs.index(v)] if v in self.seqs else 0)
 
-    def preempt(self, v: Seq) -> None:
-        """``v`` leaves ``live`` (and this plan's rows) by recompute; its blocks count free."""
+    def preempt(self, v: Seq, last_resort: bool = False) -> None:
+        """``v`` leaves ``live`` (and this plan's rows) by recompute; its blocks count free.
+        ``last_resort``: growth found no other victim, so the protected request may be the one."""
         st, cfg = self.st, self.cfg
-        if not fr.may_preempt(v.num_preemptions, cfg.max_preemptions, v.admit_tick, st.tick_no) or v is self.protected:
+        if not fr.may_preempt(v.num_preemptions, cfg.max_preemptions, v.admit_tick, st.tick_no) or \
+                (v is self.protected and not last_resort):
             raise AssertionError(f"policy chose {v.request_id}, which may not be preempted")
         self.free += self.gain(v)
         self.live.remove(v)
@@ -121,9 +123,11 @@ def _run_residents(d: _Draft, st: State, policy: Policy, cfg: Config) -> None:
         else:
             need = growth_blocks(len(s.block_table), n, B)
             while not can_allocate(d.free, need) and s in live:
-                v = policy.victim(d.candidates())
+                cands = d.candidates()
+                last = not cands  # every other resident request pinned: the protected one yields
+                v = policy.victim(cands or [q for q in live if not q.pinned])
                 j = live.index(v)
-                d.preempt(v)
+                d.preempt(v, last)
                 i -= j < i
             if s in live:
                 k = chunk_tokens(n, s.num_computed_tokens, chunk, d.budget)
