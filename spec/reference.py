@@ -33,7 +33,9 @@ wrong ``spec/`` rule) is for the z3 proofs.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
+from itertools import chain
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -200,7 +202,7 @@ def victim(snap: Snapshot, cands: list[Req]) -> Req:
     raise AssertionError("victim_before is not a strict order on the candidates")
 
 
-def vtc_order(snap: Snapshot, light: set[str]) -> list[Req]:
+def vtc_order(snap: Snapshot, light: set[str]) -> Iterator[Req]:
     """VTC's admission order, with the tolerance ``band_tolerance`` (the band only while every
     user with a waiting request has the same weight): the waiting requests of light users first,
     by ``order_no``, each while its user's local counter (charged its earlier picks' uncharged
@@ -223,20 +225,21 @@ def vtc_order(snap: Snapshot, light: set[str]) -> list[Req]:
                 continue
             out.append(r)
             local[r.user] = fr.charged_counter(local[r.user], pp * (r.P - r.charged), snap.weight(r.user))
-    queues: dict[str, list[Req]] = {}
+    yield from out
+    first = {id(r) for r in out}
+    queues: dict[str, deque[Req]] = {}
     for r in by_order:
-        if r not in out:
-            queues.setdefault(r.user, []).append(r)
-    while queues:
+        if id(r) not in first:
+            queues.setdefault(r.user, deque()).append(r)
+    while queues:  # lazily: the plan consumes only the picks it reaches
         least = min(local[u] for u in queues)
         elig = [u for u in queues if fr.vtc_eligible(local[u], least, tol)]
         u = min(elig, key=lambda u: queues[u][0].order)
-        r = queues[u].pop(0)
-        out.append(r)
+        r = queues[u].popleft()
+        yield r
         local[u] = fr.charged_counter(local[u], pp * (r.P - r.charged), snap.weight(u))
         if not queues[u]:
             del queues[u]
-    return out
 
 
 def rr_queues(snap: Snapshot) -> list[list[Req]]:
@@ -302,10 +305,11 @@ def reference_plan(snap: Snapshot) -> RefPlan:
             next(r for r in snap.waiting if r.key is k) for k in snap.queue]
         trials = sorted((r for r in snap.waiting if r.state == lc.PREEMPTED and r.g > 0), key=lambda r: r.order) \
             if c.resume_first and snap.policy == "vtc" and holder is None else []
-        cands = ([(holder, False)] if holder is not None else []) + [(r, True) for r in trials] + \
-            [(r, False) for r in order]
+        cands = chain([(holder, False)] if holder is not None else [], ((r, True) for r in trials),
+                      ((r, False) for r in order))
+        taken_ids: set[int] = set()
         for q, trial in cands:
-            if q in taken:
+            if id(q) in taken_ids:
                 continue
             resident = len(live) + len(taken)
             if resident >= c.max_running:
@@ -336,6 +340,7 @@ def reference_plan(snap: Snapshot) -> RefPlan:
             k = rules.chunk_tokens(q.n, 0, c.chunk, budget)
             grant[q.key] = (k, need)
             taken.append(q)
+            taken_ids.add(id(q))
             free -= need
             budget -= k
     rows = [(key, k, b, i >= len(grant) - len(taken)) for i, (key, (k, b)) in enumerate(grant.items())]
