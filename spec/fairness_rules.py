@@ -208,6 +208,19 @@ def quantum_elapsed(admit_tick: Int, tick: Int, quantum_ticks: Int) -> Bool:
     return tick - admit_tick >= quantum_ticks
 
 
+def not_a_holder(victim_was_holder: Bool) -> Bool:
+    """Room (a later reservation holder's, or another user's by pressure) is taken only from
+    requests not admitted as a holder themselves (``Seq.holder``): a request that got in as a
+    holder is protected ``quantum_ticks`` iterations and after that can still give room to
+    growth or to a light user, but to no later holder and not by pressure. Without it an aged
+    request whose prefill needs more than ``quantum_ticks`` iterations is taken again before it
+    gets past its recompute, for ever (found on the Mooncake conversation trace: two holders
+    with prompts of 23k and 27k tokens under a 2,048-block cap took each other's room, and once
+    that was excluded a 20k-token holder was taken by pressure after each quantum; neither
+    finished); with it the later request waits for the holder to finish."""
+    return Not(victim_was_holder)
+
+
 def protected(holder: Bool, admit_tick: Int, tick: Int, quantum_ticks: Int) -> Bool:
     """The reservation holder is no victim of any preemption within ``quantum_ticks`` of its
     admission (at most one request is protected at a time, so it can always grow)."""

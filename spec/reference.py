@@ -363,10 +363,10 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
     """Room for ``q``, a candidate whose blocks plus headroom do not fit: victims in the policy's
     victim order until its blocks fit without headroom, or ``None`` when even all the allowed
     ones would not do. Allowed: requests admitted before this tick (``may_preempt``), neither
-    pinned nor protected, and of those, for the holder any; for a light user's request those of
-    users over their weighted share of the resident requests (``within_share`` at 1/1, with ``q``
+    pinned nor protected, and of those, for the holder any not admitted as a holder (``not_a_holder``); for a light user's request those of
+    other users over their weighted share of the resident requests (``within_share`` at 1/1, with ``q``
     counted admitted); for another request, when the policy keeps shares (VTC), those of other
-    users resident ``quantum_ticks`` (``quantum_elapsed``) whose users it ``may_take`` from, with
+    users, not admitted as a holder (``not_a_holder``), resident ``quantum_ticks`` (``quantum_elapsed``) whose users it ``may_take`` from, with
     the resident counts as the victims are chosen (each pick is among those it may take from
     then). ``light`` is false for every user without isolation."""
     c = snap.cfg
@@ -379,12 +379,12 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
 
     if holder or light:
         if holder:
-            cands = base
+            cands = [r for r in base if fr.not_a_holder(r.holder)]
         else:
             users = resident + Counter([q.user])
             total, total_w = sum(users.values()), sum(snap.weight(u) for u in users)
             over = {u for u, n in users.items() if not fr.within_share(n, snap.weight(u), total, total_w, 1, 1)}
-            cands = [r for r in base if r.user in over]
+            cands = [r for r in base if r.user in over and r.user != q.user]
         if sum(freed(v) for v in cands) + free < need:
             return None
         victims: list[Req] = []
@@ -396,7 +396,8 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
         return victims
     if snap.policy != "vtc":  # FCFS and round robin keep no shares among resident requests
         return None
-    cands = [r for r in base if r.user != q.user and fr.quantum_elapsed(r.admit_tick, snap.tick, c.Q)]
+    cands = [r for r in base if r.user != q.user and fr.not_a_holder(r.holder)
+             and fr.quantum_elapsed(r.admit_tick, snap.tick, c.Q)]
     victims = []
     while not rules.can_allocate(free, need):
         mine = snap.pressure(q.user, resident[q.user] + 1)

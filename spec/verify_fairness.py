@@ -369,10 +369,11 @@ def _holder_step() -> tuple[list, list[tuple[str, Any]], dict[str, Any]]:
           "it took it (ranking: Q - (t - a_p) + (K+1) L + 1 while a request is protected, else "
           "max((K+1) D - streak, 0) + 1, D the most iterations a resident still needs): at most Q ticks behind the "
           "protected request (protected), then tried first, with room from every resident admitted before the "
-          "tick that is not pinned (can_admit, can_allocate, may_preempt), held back only by the slot cap or a "
-          "growth preemption, neither of which admits another request; isolated ticks sit_out_allowed / "
+          "tick that is not pinned and not admitted as a holder (can_admit, can_allocate, may_preempt, not_a_holder), "
+          "held back only by the slot cap or a growth preemption, neither of which admits another request; isolated ticks sit_out_allowed / "
           "next_streak. Assumptions: the token budget never binds, a resident needs <= L more iterations, "
-          "need_h + pinned blocks <= cap (no pinning at the default), no prefix caching, tick() keeps being called")
+          "need_h + the blocks of residents pinned or admitted as a holder <= cap (not implied at the defaults), "
+          "no prefix caching, tick() keeps being called")
 def check_no_starvation_holder(opts: Options) -> Outcome:
     """Two inductive steps over z3 integers (nonlinear: ``(K+1) * D``): the aging count, the holder's tick."""
     bound = "unbounded: any T >= 1, W >= 0, Q >= 1, K >= 0, L >= 1, max_running >= 1, cap, need_h <= cap; any tick"
@@ -407,7 +408,8 @@ def check_no_starvation_holder(opts: Options) -> Outcome:
           "the tick it is admitted (may_preempt); the protected holder admitted at a is protected at every tick "
           "a <= t < a + Q, so no victim of any preemption then (the victims exclude it), and not from a + Q on; a "
           "new holder becomes protected only when the previous protection has ended (at most one at a time); two "
-          "room-by-pressure preemptions of one request are at least Q + 1 ticks apart")
+          "room-by-pressure preemptions of one request are at least Q + 1 ticks apart; a request admitted as a holder is "
+          "no victim of a later holder's room nor of room by pressure (not_a_holder)")
 def check_anti_thrash(opts: Options) -> Outcome:
     """Rule-level lemmas over z3 integers (``quantum_elapsed``, ``protected``, ``may_preempt``)."""
     z3 = _z3()
@@ -417,7 +419,15 @@ def check_anti_thrash(opts: Options) -> Outcome:
     def pressure_victim(adm: Any, tick: Any) -> Any:
         """``step._room``'s candidates for another user's room: may be preempted, admitted before the
         tick, not pinned, resident Q iterations."""
-        return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.quantum_elapsed(adm, tick, Q))
+        return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.not_a_holder(was_holder),
+                   fr.quantum_elapsed(adm, tick, Q))
+
+    was_holder = z3.Bool("admitted_as_holder")
+
+    def holder_victim(adm: Any, tick: Any) -> Any:
+        """``step._room``'s candidates for the reservation holder's room (none protected: the holder
+        is admitted only when no protection holds)."""
+        return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.not_a_holder(was_holder))
 
     pre = [Q >= 1, npre >= 0, maxp >= 0]
     goals = [("no room-by-pressure victim before a + Q", Implies(t < a + Q, Not(pressure_victim(a, t)))),
@@ -430,7 +440,9 @@ def check_anti_thrash(opts: Options) -> Outcome:
              ("a new protection starts only after the previous one ended",
               Implies(And(a <= t, Not(fr.protected(True, a, t, Q))), t >= a + Q)),
              ("two room-by-pressure preemptions of one request are > Q ticks apart",
-              Implies(And(pressure_victim(a, t1), a2 >= t1 + 1, pressure_victim(a2, t2)), t2 - t1 >= Q + 1))]
+              Implies(And(pressure_victim(a, t1), a2 >= t1 + 1, pressure_victim(a2, t2)), t2 - t1 >= Q + 1)),
+             ("a request admitted as a holder is no victim of a later holder's room nor of room by pressure",
+              Implies(was_holder, Not(Or(holder_victim(a, t), pressure_victim(a, t)))))]
     status, info = _prove(pre, goals, opts.timeout_s)
 
     def cex(m: Any, bad: list[str]) -> StateCounterexample:

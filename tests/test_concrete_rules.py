@@ -83,6 +83,8 @@ FAIR_WHILE_RUNNING = [
     (fairness_rules.may_take, (7, 7), (8, 7)),
     # resident Q iterations: may give room; one fewer: not yet
     (fairness_rules.quantum_elapsed, (10, 138, 128), (10, 137, 128)),
+    # the holder takes no request admitted as a holder
+    (fairness_rules.not_a_holder, (False,), (True,)),
     # protected: the holder within Q of its admission, never a non-holder
     (fairness_rules.protected, (True, 10, 137, 128), (True, 10, 138, 128)),
     (fairness_rules.protected, (True, 10, 10, 128), (False, 10, 10, 128)),

@@ -222,3 +222,20 @@ def test_weights_two_to_one_divide_a_finite_backlog_within_5_percent_on_average(
         ratios.append(acc["H"] / acc["L"])
     assert all(1.8 <= r <= 2.2 for r in ratios), ratios
     assert 1.9 <= sum(ratios) / len(ratios) <= 2.1, ratios
+
+
+# ---------------------------------------------------------------- liveness of the holder's room
+
+
+def test_two_aged_requests_whose_prefills_outlast_the_quantum_both_finish():
+    """Two users' prompts that cannot be resident together, each needing more iterations of
+    prefill than the quantum protects a reservation holder: before ``not_a_holder`` the two
+    took each other's room as holders for ever, each losing its prefill by recompute (the
+    Mooncake conversation trace hung the same way). Now the second holder waits for the first to
+    finish: both finish, each preempted at most once."""
+    a = Request(user_id="a", prompt=[1 + i % 60 for i in range(700)], max_tokens=4, request_id="a")
+    b = Request(user_id="b", prompt=[2 + i % 60 for i in range(700)], max_tokens=4, request_id="b", submitted_at=0.01)
+    run = simulate.run_workload([a, b], make_scheduler=_with(kv_cap_blocks=64, quantum_ticks=4, aging_ticks=2,
+                                                             hold_ticks=1), eos_probability=0.0, max_ticks=2_000)
+    assert sorted(r.request_id for r in run.finished) == ["a", "b"]
+    assert run.scheduler.metrics()["preemptions"] <= 2

@@ -214,10 +214,13 @@ class _LightUsers:
 def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _LightUsers | None,
           holder: bool) -> list[Seq] | None:
     """Victims whose preemption lets ``head`` (``need`` blocks, no headroom) in, in the policy's
-    victim order, or ``None``. The reservation holder: any resident request that may be preempted.
-    A light user's request: requests of users over their weighted share of the resident requests
-    as if ``head`` joined. Another request, when the policy keeps shares (``Policy.pressure``):
-    requests resident ``quantum_ticks`` iterations of users it ``may_take`` from. With prefix
+    victim order, or ``None``. The reservation holder: any resident request that may be preempted
+    and was not admitted as a holder itself (``not_a_holder``).
+    A light user's request: requests of other users over their weighted share of the resident
+    requests as if ``head`` joined (taking its own user's request moves no share: two of one
+    light user's requests took each other's room thousands of times on the Mooncake trace). Another request, when the policy keeps shares (``Policy.pressure``):
+    requests not admitted as a holder (``not_a_holder``) resident ``quantum_ticks`` iterations of
+    users it ``may_take`` from. With prefix
     caching the free blocks ``head`` takes are counted with the victims chosen so far: a cached
     block it hits that only a victim held is freed by the victim and taken again by the hit."""
     st = d.st
@@ -229,18 +232,19 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
     cands = [q for q in d.candidates() if q.admit_tick < st.tick_no]
     u = head.user_id
     if holder:
-        pass
+        cands = [q for q in cands if fr.not_a_holder(q.holder)]
     elif light is not None and light(u):
         count = Counter(q.user_id for q in chain(d.live, d.taken, (head,)))
         total, total_w = sum(count.values()), sum(policy.weight(v) for v in count)
         over = {v for v, c in count.items() if not fr.within_share(c, policy.weight(v), total, total_w, 1, 1)}
-        cands = [q for q in cands if q.user_id in over]
+        cands = [q for q in cands if q.user_id in over and q.user_id != u]  # never its own user's: churn
     else:
         if policy.pressure(u, 0) is None:
             return None
         count = Counter(q.user_id for q in chain(d.live, d.taken))
         mine = policy.pressure(u, count[u] + 1)
-        cands = [q for q in cands if q.user_id != u and fr.quantum_elapsed(q.admit_tick, st.tick_no, cfg.quantum_ticks)]
+        cands = [q for q in cands if q.user_id != u and fr.not_a_holder(q.holder)
+                 and fr.quantum_elapsed(q.admit_tick, st.tick_no, cfg.quantum_ticks)]
         victims: list[Seq] = []
         free = d.free
         while not rules.can_allocate(free, cost(victims)):
