@@ -27,14 +27,10 @@ def _run(s, reqs, limit=20_000):
     return n
 
 
-#: The default livelocks on the seed-1 stream (issue 38's rules): light users' requests take room
-#: from their own user's requests admitted the tick before, so no request ever finishes.
-LIVELOCK = "issue 38: under the default, room for a light user's request preempts its own user's requests " \
-           "(users over their share counting it admitted), every tick: 0 of 30 finish (833 ticks before)"
-
-
-@pytest.mark.parametrize("policy, seed", [("vtc", 2), ("fcfs", 1),
-                                          pytest.param("vtc", 1, marks=pytest.mark.xfail(strict=True, reason=LIVELOCK))])
+#: The seed-1 stream livelocked the default (0 of 30 finished, a strict xfail until 2026-12-06): a
+#: light user's request took room from its own user's request admitted the tick before, every
+#: tick. A light user's request now takes room only from other users (``step._room``).
+@pytest.mark.parametrize("policy, seed", [("vtc", 2), ("fcfs", 1), ("vtc", 1)])
 def test_every_tick_under_kv_pressure_is_a_step_of_the_model(policy, seed):
     from batch.policies.policy import FCFSPolicy
     s = Scheduler(check_invariants=True, kv_cap_blocks=24, backend=_eos_at_max, clock=lambda: 0.0,
