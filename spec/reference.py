@@ -363,11 +363,12 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
     """Room for ``q``, a candidate whose blocks plus headroom do not fit: victims in the policy's
     victim order until its blocks fit without headroom, or ``None`` when even all the allowed
     ones would not do. Allowed: requests admitted before this tick (``may_preempt``), neither
-    pinned nor protected, and of those, for the holder any not admitted as a holder (``not_a_holder``); for a light user's request those of
-    other users over their weighted share of the resident requests (``within_share`` at 1/1, with ``q``
-    counted admitted); for another request, when the policy keeps shares (VTC), those of other
-    users, not admitted as a holder (``not_a_holder``), resident ``quantum_ticks`` (``quantum_elapsed``) whose users it ``may_take`` from, with
-    the resident counts as the victims are chosen (each pick is among those it may take from
+    pinned nor protected, and of those, for the holder any not admitted as a holder
+    (``not_a_holder``); for a light user's request those of other users over their weighted
+    share of the resident requests (``within_share`` at 1/1, with ``q`` counted admitted); for
+    another request, when the policy keeps shares (VTC), those of other users, not admitted as a
+    holder (``not_a_holder``), resident ``quantum_ticks`` (``quantum_elapsed``) whose users it
+    ``may_take`` from, with the resident counts as the victims are chosen (each pick is among those it may take from
     then). ``light`` is false for every user without isolation."""
     c = snap.cfg
     base = [r for r in live if not r.pinned and not is_protected(snap, r)

@@ -370,8 +370,8 @@ def _holder_step() -> tuple[list, list[tuple[str, Any]], dict[str, Any]]:
           "max((K+1) D - streak, 0) + 1, D the most iterations a resident still needs): at most Q ticks behind the "
           "protected request (protected), then tried first, with room from every resident admitted before the "
           "tick that is not pinned and not admitted as a holder (can_admit, can_allocate, may_preempt, not_a_holder), "
-          "held back only by the slot cap or a growth preemption, neither of which admits another request; isolated ticks sit_out_allowed / "
-          "next_streak. Assumptions: the token budget never binds, a resident needs <= L more iterations, "
+          "held back only by the slot cap or a growth preemption, neither of which admits another request; "
+          "isolated ticks sit_out_allowed / next_streak. Assumptions: the token budget never binds, a resident needs <= L more iterations, "
           "need_h + the blocks of residents pinned or admitted as a holder <= cap (not implied at the defaults), "
           "no prefix caching, tick() keeps being called")
 def check_no_starvation_holder(opts: Options) -> Outcome:
@@ -418,7 +418,7 @@ def check_anti_thrash(opts: Options) -> Outcome:
 
     def pressure_victim(adm: Any, tick: Any) -> Any:
         """``step._room``'s candidates for another user's room: may be preempted, admitted before the
-        tick, not pinned, resident Q iterations."""
+        tick, not pinned, not admitted as a holder, resident Q iterations."""
         return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.not_a_holder(was_holder),
                    fr.quantum_elapsed(adm, tick, Q))
 

@@ -218,10 +218,10 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
     and was not admitted as a holder itself (``not_a_holder``).
     A light user's request: requests of other users over their weighted share of the resident
     requests as if ``head`` joined (taking its own user's request moves no share: two of one
-    light user's requests took each other's room thousands of times on the Mooncake trace). Another request, when the policy keeps shares (``Policy.pressure``):
-    requests not admitted as a holder (``not_a_holder``) resident ``quantum_ticks`` iterations of
-    users it ``may_take`` from. With prefix
-    caching the free blocks ``head`` takes are counted with the victims chosen so far: a cached
+    light user's requests took each other's room thousands of times on the Mooncake trace).
+    Another request, when the policy keeps shares (``Policy.pressure``): requests not admitted
+    as a holder (``not_a_holder``) resident ``quantum_ticks`` iterations of users it
+    ``may_take`` from. With prefix caching the free blocks ``head`` takes are counted with the victims chosen so far: a cached
     block it hits that only a victim held is freed by the victim and taken again by the hit."""
     st = d.st
 
