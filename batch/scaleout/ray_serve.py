@@ -203,7 +203,7 @@ class EngineReplica:
         kw: dict[str, Any] = {"kv_cap_blocks": kv_cap_blocks} if kv_cap_blocks else {}
         gpu = SeededGPU(time_scale=time_scale, seed=seed, eos_probability=eos_probability)
         sched = Scheduler(backend=gpu, policy=self.policy, record_itl=False, max_backend_tries=3,
-                          max_latency_samples=LATENCY_SAMPLES, production_checks=True, **kw)  # as batch serve
+                          max_latency_samples=LATENCY_SAMPLES, production_checks=True, **kw)  # as batch-llm serve
         self.engine = Engine(sched)
         self.metrics_board = metrics_board
         self.metrics_period_s = metrics_period_s
