@@ -218,7 +218,9 @@ def test_the_tolerance_sweep_prints_a_row_per_tolerance_and_fcfs():
     assert {"T = 0", "T = 4096", "FCFS"} <= set(rows)
     cells = {name: rows[name].split("|") for name in ("T = 0", "T = 4096")}
     assert int(cells["T = 0"][-2]) <= 2  # lifted below the band, a light user early in a burst is served at once
-    assert float(cells["T = 4096"][-3]) < float(cells["T = 0"][-3])  # weighted shares drift with the band
+    # the band applies only among users of equal weight (fairness_rules.band_tolerance), so the 2:1
+    # share does not drift with it (it did before; 3.03 and 1.93 at both tolerances since)
+    assert float(cells["T = 4096"][-3]) == float(cells["T = 0"][-3])
 
 
 # ----------------------------------------------------------------------------- the GPU clock (issue 41)
