@@ -161,8 +161,9 @@ def test_done_when_the_conversation_trace_reports_a_hit_rate_above_zero(capsys, 
     """Issue 30's command, on the trace's first 40 rows: ``batch-llm --trace
     mooncake_conversation_trace.jsonl --limit 40 --kv-cap-blocks 2048 --users 5 --clock virtual
     --json``. Every request ends: with ``--limit 400`` this run never ended (aged requests with
-    prompts of 20k+ tokens took each other's room, ``fairness_rules.not_a_holder``); it now ends
-    after 77,503 ticks, about 5 minutes unchecked, too long for the suite."""
+    prompts of 20k+ tokens took each other's room, ``fairness_rules.not_a_holder``); a loop
+    replaying the same 400 rows through ``Scheduler(prefix_caching=True, kv_cap_blocks=2048)``
+    now ends, after minutes unchecked (2026-12-06), too long for the suite."""
     monkeypatch.delenv(traces.TRACES_ENV, raising=False)  # the repository's data/traces
     m = main_json(capsys, "--trace", CONV, "--limit", "40", "--kv-cap-blocks", "2048",
                   "--users", "5", "--clock", "virtual", "--json", entry=commands.main)  # the `batch-llm` script
