@@ -99,20 +99,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import bench  # bench/bench.py
+import inference_stub
+import bench_fairness as bf
+import vllm_compare as vc
+from batch.policies.policy import FCFSPolicy, Policy
+from batch.policies.vtc import VTCPolicy
+from batch.sim import simulate, workloads
+from inference_stub import Request
+from scheduler import MAX_RUNNING_REQUESTS, Scheduler
+from spec import fairness_rules as fr
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
-
-import bench  # noqa: E402  (bench/bench.py)
-import inference_stub  # noqa: E402
-import bench_fairness as bf  # noqa: E402
-import vllm_compare as vc  # noqa: E402
-from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
-from batch.policies.vtc import VTCPolicy  # noqa: E402
-from batch.sim import simulate, workloads  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import MAX_RUNNING_REQUESTS, Scheduler  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
 
 #: A tolerance no counter gap reaches: every backlogged user is eligible, admission is arrival order.
 NO_ORDER_TOLERANCE = 2 ** 40

@@ -55,23 +55,18 @@ import sys
 import time
 from bisect import insort
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import bench  # noqa: E402  (bench/bench.py, beside this file)
-from batch.core import step  # noqa: E402
-from batch.policies.oracle import ClairvoyantPolicy  # noqa: E402
-from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
-from batch.policies.vtc import VTCPolicy  # noqa: E402
-from batch.sim import traces, workloads  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
-from spec import lifecycle as lc  # noqa: E402
+import bench  # bench/bench.py, beside this file
+from batch.core import step
+from batch.policies.oracle import ClairvoyantPolicy
+from batch.policies.policy import FCFSPolicy, Policy
+from batch.policies.vtc import VTCPolicy
+from batch.sim import traces, workloads
+from scheduler import Scheduler
+from spec import lifecycle as lc
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
 EXPERIMENTS = ("seeds", "knobs", "l2", "lpt", "orders", "victims", "idle", "resume", "search", "ttft")

@@ -56,11 +56,10 @@ from typing import Sequence
 
 import numpy as np
 
+from batch.sim import gpu_profile as gp
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
-
-from batch.sim import gpu_profile as gp  # noqa: E402
 
 DATA = HERE / "data"
 MLP_CSV = DATA / "vidur_mlp_tp1.csv"

@@ -99,13 +99,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from batch.sim import simulate, traces
+from inference_stub import Request
+from scheduler import Scheduler
 
-from batch.sim import simulate, traces  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 #: The stub's simulated GPU, the same for both schedulers.
 BASE_S = 0.005

@@ -59,15 +59,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import vllm_compare as vc  # noqa: E402
-from batch.sim import simulate, traces  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+import vllm_compare as vc
+from batch.sim import simulate, traces
+from inference_stub import Request
+from scheduler import Scheduler
 
 #: The cache on both sides on the stub's clock: 2,048 blocks of 16 tokens (``workloads``
 #: ``mooncake-conv``'s cap), and Batch's defaults as the limits of both (256 resident requests, a
