@@ -336,12 +336,12 @@ class _Recorder(Scheduler):
         self.submit_tick.setdefault(request.request_id, self.n_ticks)
         self.prompt_tokens[request.request_id] = len(request.prompt)
 
-    def schedule(self):  # noqa: ANN201
+    def schedule(self):
         plan = super().schedule()
         self.plan_tokens = plan.num_batched_tokens
         return plan
 
-    def update_from_output(self, plan, tokens, **kw):  # noqa: ANN001, ANN201
+    def update_from_output(self, plan, tokens, **kw):
         for entry in plan.batch:
             if entry.admitted:
                 self.admit_tick.setdefault(entry.seq.request_id, self.n_ticks)
@@ -434,7 +434,7 @@ def vllm_ttft_p99(path: Path) -> tuple[float, str]:
     (``vllm_compare.run_vllm``, vllm importable here) or ``"quoted"`` (``VLLM_TTFT_P99_QUOTED``;
     NaN for a trace it does not have)."""
     try:
-        vc._vllm()  # noqa: SLF001 - the import check vllm_compare.main makes
+        vc._vllm()  # the import check vllm_compare.main makes
     except vc.VLLMUnavailable:
         return (VLLM_TTFT_P99_QUOTED.get(path.name, math.nan) if GPU is None else math.nan), "quoted"
     return vc.summarize(vc.run_vllm(vc.load_requests(path), clock=clock())).ttft_p99_s, "measured"

@@ -190,8 +190,8 @@ def throughput_upper_bound(requests: Sequence[Request], *, kv_cap_blocks: int, e
     chunks = -(-P // C)
     prompt_blocks = -(-P // B)
     n = chunks + L - 1
-    s = np.array([c * pb + _sum_ceil(p + l - 1, B) - _sum_ceil(p, B)
-                  for c, pb, p, l in zip(chunks.tolist(), prompt_blocks.tolist(), P.tolist(), L.tolist())],
+    s = np.array([c * pb + _sum_ceil(p + n_out - 1, B) - _sum_ceil(p, B)
+                  for c, pb, p, n_out in zip(chunks.tolist(), prompt_blocks.tolist(), P.tolist(), L.tolist())],
                  dtype=np.int64)
 
     def suffix_sum(x: np.ndarray) -> np.ndarray:
@@ -396,7 +396,7 @@ def run_suite(workloads: Iterable[Workload] = WORKLOADS, policies: Sequence[str]
               progress: bool = True, oracle_too: bool = True) -> list[WorkloadResult]:
     """Every policy on every workload (a tqdm bar on stderr when ``progress``), and the
     clairvoyant reference apart (``oracle_too``)."""
-    from tqdm import tqdm  # noqa: PLC0415
+    from tqdm import tqdm
 
     workloads = list(workloads)
     out: list[WorkloadResult] = []
@@ -494,7 +494,7 @@ def big_run(n: int = 1_000_000, lam: float = 30.0, seed: int = 7) -> dict[str, A
     shared), simulated seconds, peak RSS (bytes, the whole
     process including the pre-built requests) and the metrics.
     """
-    import resource  # noqa: PLC0415 - POSIX only, and only here
+    import resource  # POSIX only, and only here
 
     def rss_peak() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -721,7 +721,7 @@ def packing_terms(w: Workload) -> tuple[int, int]:
         ``(ceil(S / cap), L2)``, both in iterations; L2 >= the area term, equal when packing
         within an iteration costs the bound nothing.
     """
-    import bench_throughput  # noqa: PLC0415 - it imports this module
+    import bench_throughput  # it imports this module
 
     reqs, cap = w.build(), w.kv_cap_blocks
     hist = np.zeros(cap + 1, dtype=np.int64)
@@ -972,7 +972,7 @@ def _legend(ax: Any, **kw: Any) -> None:
 
 def _save(fig: Any, title: str, path: Path, label: str) -> tuple[str, Path]:
     """Title, lay out, write (80 dpi PNG) and close ``fig``; returns ``(label, path)``."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig.suptitle(title)
     fig.tight_layout()
@@ -987,10 +987,10 @@ def plot_workload(wr: WorkloadResult, img_dir: Path) -> list[tuple[str, Path]]:
     Batch is drawn on top in its own style (``POLICY_STYLES``); every baseline has its own colour,
     line style and marker; the KV cap is a labelled reference line.
     """
-    import matplotlib  # noqa: PLC0415 - bench-only dependency (the dev extra)
+    import matplotlib  # bench-only dependency (the dev extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     w = wr.workload
     name = w.name

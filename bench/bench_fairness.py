@@ -578,7 +578,7 @@ def tick_cpu_us(contender: Contender, n_running: int, n_waiting: int, users: int
 def max_wait_ticks(res: simulate.RunResult, users: Sequence[str]) -> int:
     """Most ticks a request of ``users`` waited from submit to its first token (from the trace)."""
     times = [t for t, _, _ in res.scheduler.trace]
-    from bisect import bisect_left, bisect_right  # noqa: PLC0415
+    from bisect import bisect_left, bisect_right
     worst = 0
     for r in res.finished:
         if r.user_id in users:

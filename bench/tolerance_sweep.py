@@ -42,7 +42,7 @@ BALANCED = ("trace200_poisson20_seed0.csv", "poisson_n300_r30_seed0.csv")
 
 def light_user_ticks(policy: VTCPolicy) -> int:
     """Ticks from user L's arrival to its first token, early in user A's burst (see above)."""
-    from inference_stub import SimulatedGPU, VirtualClock  # noqa: PLC0415
+    from inference_stub import SimulatedGPU, VirtualClock
 
     clock = VirtualClock()
     gpu = SimulatedGPU(eos_probability=0.0, seed=0, clock=clock)
