@@ -16,7 +16,7 @@ VLLM_PIP := $(VLLM_VENV)/bin/pip install -q
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 VLLM_TESTS := tests/test_vllm*.py
 
-.PHONY: run serve test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-vllm figures clean clean-vllm
+.PHONY: run serve lint test test-fast test-scaleout verify mutants bench bench-big bench-cold bench-vllm figures clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,11 +49,16 @@ run: $(RUN_STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/batch-llm serve --port 8000 $(ARGS)
 
+# ruff check . with the rules of pyproject.toml ([tool.ruff]); ruff comes with the dev extra.
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+
 # Every test, each in the environment it needs: .venv with every extra (the Ray tests included)
 # runs all but the tests marked vllm, .venv-vllm runs those. BATCH_REQUIRE_ALL=1 makes a test that
 # would be skipped for a missing install or data file fail instead (tests/conftest.py). Both runs
-# always run; the target fails if either did.
-test: $(TEST_STAMP) $(SCALEOUT_STAMP) $(VLLM_STAMP)
+# always run; the target fails if either did. lint comes first: a finding stops the target before
+# .venv-vllm is built or a test runs.
+test: lint $(TEST_STAMP) $(SCALEOUT_STAMP) $(VLLM_STAMP)
 	BATCH_REQUIRE_ALL=1 $(BIN)/python -m pytest -m "not vllm"; a=$$?; \
 	BATCH_REQUIRE_ALL=1 $(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_TESTS); b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0

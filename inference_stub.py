@@ -149,7 +149,7 @@ class SimulatedGPU:
         ValueError: a latency is negative or ``eos_probability`` is outside ``[0, 1]``.
     """
 
-    def __new__(cls, *args, profile: str | None = None, **kwargs):  # noqa: ANN002, ANN003, ANN204
+    def __new__(cls, *args, profile: str | None = None, **kwargs):
         if profile is not None and cls is SimulatedGPU:
             return super().__new__(ProfiledGPU)
         return super().__new__(cls)
@@ -230,7 +230,7 @@ class ProfiledGPU(SimulatedGPU):
     def __init__(self, *, profile: str, eos_probability: float = EOS_PROBABILITY, seed: int | None = None,
                  clock: VirtualClock | None = None, base_s: float = ITERATION_BASE_S,
                  per_request_s: float = ITERATION_PER_REQUEST_S) -> None:
-        from batch.sim import gpu_profile  # noqa: PLC0415 (only for a profiled GPU)
+        from batch.sim import gpu_profile  # only for a profiled GPU
 
         super().__init__(base_s=base_s, per_request_s=per_request_s, eos_probability=eos_probability, seed=seed,
                          clock=clock)

@@ -155,11 +155,11 @@ class Scheduler:
                                                                                   max_backend_tries)
         self._checker: Any = None
         if _flag("check_invariants", check_invariants, CHECK_INVARIANTS):
-            from spec.invariants import InvariantChecker  # noqa: PLC0415 (only when asked for)
+            from spec.invariants import InvariantChecker  # only when asked for
             self._checker = InvariantChecker()
         self._guard: Any = None  # the cheap production subset (spec.invariants.ProductionChecker)
         if production_checks:
-            from spec.invariants import ProductionChecker  # noqa: PLC0415
+            from spec.invariants import ProductionChecker
             self._guard = ProductionChecker()
         self._failures = 0  # consecutive failed ticks (the retry policy's count)
         self._inflight: tuple[Plan, int] | None = None  # (plan, ticking thread) while forward runs
@@ -309,7 +309,7 @@ class Scheduler:
         if self._checker is not None:
             execute_model, backend = self._checker.count_forward(execute_model, backend)
         if execute_model is not None:
-            from batch.core.backend_api import batch_items  # noqa: PLC0415 (paged backends only)
+            from batch.core.backend_api import batch_items  # paged backends only
             tokens = execute_model(batch_items(plan))
         else:
             tokens = backend(plan.requests)
@@ -342,7 +342,7 @@ class Scheduler:
         if self._pending_aborts:
             try:
                 now, err = self.clock(), None
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - re-raised below, once the aborts are retired
                 now, err = None, e
             for s in self._pending_aborts:
                 if self.state.by_obj.get(id(s.req)) is s:
@@ -431,7 +431,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Check the KV ledger, every record and the per-user counts at an idle point
         (``spec.invariants.check_state``); raises ``InvariantViolation`` (an ``AssertionError``)."""
-        from spec.invariants import check_state  # noqa: PLC0415 (tests and tools only)
+        from spec.invariants import check_state  # tests and tools only
 
         with self._lock:
             check_state(self)

@@ -22,7 +22,7 @@ __version__: str  # declared, not set: __getattr__ answers it on first read
 
 def __getattr__(name: str) -> str:
     if name == "__version__":
-        from batch.version import version  # noqa: PLC0415 - only when asked for
+        from batch.version import version  # only when asked for
 
         return version()
     raise AttributeError(f"module 'batch' has no attribute {name!r}")

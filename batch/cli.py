@@ -43,7 +43,7 @@ from typing import Callable, NoReturn, Sequence
 
 import inference_stub
 import request_gen
-from batch.core import goodput, metrics
+from batch.core import goodput
 from batch.sim import gpu_profile, traces
 from batch.sim.simulate import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, POLICIES, format_metrics, json_metrics,
                                 run_workload)
@@ -180,7 +180,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     if gpu and a.backend == "model":
         p.error(f"--gpu {a.gpu} prices the simulated GPU's iterations; --backend model runs a real one (drop one)")
     if gpu and a.policy == "static":
-        p.error(f"--policy static pads batches through the stub's forward; it runs on --gpu stub only")
+        p.error("--policy static pads batches through the stub's forward; it runs on --gpu stub only")
     sched_cls, make_policy, _ = POLICIES[a.policy]
     if a.backend == "model" and sched_cls is not Scheduler:
         p.error(f"--policy {a.policy} runs on the stub backend only (with --backend model: "
@@ -219,7 +219,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     progress = not a.no_progress and sys.stderr.isatty()
     if a.backend == "model":
         try:
-            from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
+            from batch.backends import model_backend  # the optional 'model' extra
         except ImportError as e:
             p.error(f"--backend model needs the 'model' extra (pip install -e '.[model]'): {e}")
         try:
@@ -235,7 +235,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         res = run_workload(reqs, make_scheduler=make, virtual=False, progress=progress, **kw)
         virtual = False
     else:
-        make = sched_cls if make_policy is None else lambda **k: sched_cls(policy=make_policy(), **k)  # noqa: E731
+        make = sched_cls if make_policy is None else lambda **k: sched_cls(policy=make_policy(), **k)
         if gpu:
             label += f", GPU {gpu_profile.get(gpu).describe()}"
         out(f"Batch on {label}")

@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     if args in (["--version"], ["-V"]):
-        from batch.version import version  # noqa: PLC0415
+        from batch.version import version
 
         print(f"{PROG} {version()}")
         return 0
@@ -37,11 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = ["sim", *args]
     cmd, rest = args[0], args[1:]
     if cmd == "serve":
-        from batch.server.serve import main as run  # noqa: PLC0415 - imported only when asked for
+        from batch.server.serve import main as run  # imported only when asked for
     elif cmd == "bench-serve":
-        from batch.server.bench_serve import main as run  # noqa: PLC0415
+        from batch.server.bench_serve import main as run
     elif cmd == "sim":
-        from batch.cli import main as sim  # noqa: PLC0415
+        from batch.cli import main as sim
 
         def run(argv):
             return sim(argv, prog=f"{PROG} sim")

@@ -99,20 +99,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import bench  # bench/bench.py
+import inference_stub
+import bench_fairness as bf
+import vllm_compare as vc
+from batch.policies.policy import FCFSPolicy, Policy
+from batch.policies.vtc import VTCPolicy
+from batch.sim import simulate, workloads
+from inference_stub import Request
+from scheduler import MAX_RUNNING_REQUESTS, Scheduler
+from spec import fairness_rules as fr
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
-
-import bench  # noqa: E402  (bench/bench.py)
-import inference_stub  # noqa: E402
-import bench_fairness as bf  # noqa: E402
-import vllm_compare as vc  # noqa: E402
-from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
-from batch.policies.vtc import VTCPolicy  # noqa: E402
-from batch.sim import simulate, workloads  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import MAX_RUNNING_REQUESTS, Scheduler  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
 
 #: A tolerance no counter gap reaches: every backlogged user is eligible, admission is arrival order.
 NO_ORDER_TOLERANCE = 2 ** 40
@@ -337,12 +336,12 @@ class _Recorder(Scheduler):
         self.submit_tick.setdefault(request.request_id, self.n_ticks)
         self.prompt_tokens[request.request_id] = len(request.prompt)
 
-    def schedule(self):  # noqa: ANN201
+    def schedule(self):
         plan = super().schedule()
         self.plan_tokens = plan.num_batched_tokens
         return plan
 
-    def update_from_output(self, plan, tokens, **kw):  # noqa: ANN001, ANN201
+    def update_from_output(self, plan, tokens, **kw):
         for entry in plan.batch:
             if entry.admitted:
                 self.admit_tick.setdefault(entry.seq.request_id, self.n_ticks)
@@ -435,7 +434,7 @@ def vllm_ttft_p99(path: Path) -> tuple[float, str]:
     (``vllm_compare.run_vllm``, vllm importable here) or ``"quoted"`` (``VLLM_TTFT_P99_QUOTED``;
     NaN for a trace it does not have)."""
     try:
-        vc._vllm()  # noqa: SLF001 - the import check vllm_compare.main makes
+        vc._vllm()  # the import check vllm_compare.main makes
     except vc.VLLMUnavailable:
         return (VLLM_TTFT_P99_QUOTED.get(path.name, math.nan) if GPU is None else math.nan), "quoted"
     return vc.summarize(vc.run_vllm(vc.load_requests(path), clock=clock())).ttft_p99_s, "measured"

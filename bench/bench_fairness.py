@@ -42,22 +42,17 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import inference_stub  # noqa: E402
-from batch.core.goodput import jain_index  # noqa: E402
-from batch.policies.policy import FCFSPolicy  # noqa: E402
-from batch.policies.roundrobin import RoundRobinPolicy  # noqa: E402
-from batch.policies.vtc import VTCPolicy  # noqa: E402
-from batch.sim import simulate  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
+import inference_stub
+from batch.core.goodput import jain_index
+from batch.policies.policy import FCFSPolicy
+from batch.policies.roundrobin import RoundRobinPolicy
+from batch.policies.vtc import VTCPolicy
+from batch.sim import simulate
+from inference_stub import Request
+from scheduler import Scheduler
+from spec import fairness_rules as fr
 
 PROMPT_RANGE = (5, 199)
 MAX_TOKENS_RANGE = (10, 99)
@@ -583,7 +578,7 @@ def tick_cpu_us(contender: Contender, n_running: int, n_waiting: int, users: int
 def max_wait_ticks(res: simulate.RunResult, users: Sequence[str]) -> int:
     """Most ticks a request of ``users`` waited from submit to its first token (from the trace)."""
     times = [t for t, _, _ in res.scheduler.trace]
-    from bisect import bisect_left, bisect_right  # noqa: PLC0415
+    from bisect import bisect_left, bisect_right
     worst = 0
     for r in res.finished:
         if r.user_id in users:

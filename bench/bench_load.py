@@ -21,20 +21,14 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Iterator
 
-ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import request_gen  # noqa: E402
-from batch.sim import simulate  # noqa: E402
-from inference_stub import VOCAB_SIZE, Request, SimulatedGPU, VirtualClock  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+import request_gen
+from batch.sim import simulate
+from inference_stub import VOCAB_SIZE, Request, SimulatedGPU, VirtualClock
+from scheduler import Scheduler
 
 
 def make_workload(n: int, *, users: int = 1000, rate_per_s: float = 20.0, seed: int = 0) -> list[Request]:

@@ -55,23 +55,18 @@ import sys
 import time
 from bisect import insort
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent  # the project root: the scheduler and batch/
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import bench  # noqa: E402  (bench/bench.py, beside this file)
-from batch.core import step  # noqa: E402
-from batch.policies.oracle import ClairvoyantPolicy  # noqa: E402
-from batch.policies.policy import FCFSPolicy, Policy  # noqa: E402
-from batch.policies.vtc import VTCPolicy  # noqa: E402
-from batch.sim import traces, workloads  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
-from spec import lifecycle as lc  # noqa: E402
+import bench  # bench/bench.py, beside this file
+from batch.core import step
+from batch.policies.oracle import ClairvoyantPolicy
+from batch.policies.policy import FCFSPolicy, Policy
+from batch.policies.vtc import VTCPolicy
+from batch.sim import traces, workloads
+from scheduler import Scheduler
+from spec import lifecycle as lc
 
 SATURATING = ("stream-saturating", "ab-burst", "long-kv", "azure-conv", "mooncake-conv")
 EXPERIMENTS = ("seeds", "knobs", "l2", "lpt", "orders", "victims", "idle", "resume", "search", "ttft")
@@ -98,7 +93,7 @@ def seed_spread(n_seeds: int, policies: Sequence[str] = ("Batch", "FCFS-recomput
     lines = ["| workload | policy | mean of bound | min | max |", "|---|---|---|---|---|"]
     for name, build in builders.items():
         for p in policies:
-            xs = [_fraction(replace(_workload(name), build=lambda s=s: build(s), seed=s), p)[0]
+            xs = [_fraction(replace(_workload(name), build=lambda s=s, build=build: build(s), seed=s), p)[0]
                   for s in range(n_seeds)]
             lines.append(f"| {name} | {p} | {np.mean(xs):.4f} | {min(xs):.3f} | {max(xs):.3f} |")
     return lines
@@ -444,7 +439,7 @@ def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0
     best = run(order)[0]
     rng = random.Random(seed)
     lines = [f"| {name} | start: longest remaining work first | {best:.4f} |", "|---|---|---|"]
-    for step in range(1, steps + 1):
+    for done in range(1, steps + 1):
         cand = order[:]
         i, j = rng.sample(range(len(cand)), 2)
         if rng.random() < 0.5:
@@ -454,8 +449,8 @@ def order_search(name: str = "long-kv", steps: int = SEARCH_STEPS, seed: int = 0
         f = run(cand)[0]
         if f >= best:
             best, order = f, cand
-        if step % max(1, steps // 10) == 0:
-            lines.append(f"| {name} | after {step} steps | {best:.4f} |")
+        if done % max(1, steps // 10) == 0:
+            lines.append(f"| {name} | after {done} steps | {best:.4f} |")
     f, ttft = run(order)
     lines.append(f"| {name} | final order | {f:.4f}, TTFT p99 {ttft:.1f} s |")
     return lines
@@ -578,7 +573,7 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
     lines = [f"| {name}, {where} | start: arrival order | {f:.4f}, largest TTFT {top / best_p99:.2f}x |",
              "|---|---|---|"]
     rng = random.Random(seed)
-    for step in range(1, steps + 1):
+    for done in range(1, steps + 1):
         cand = order[:]
         i, j = rng.sample(range(lo, len(cand)), 2)
         if rng.random() < 0.5:
@@ -588,8 +583,8 @@ def ttft_search(name: str = "ab-burst", steps: int = SEARCH_STEPS, seed: int = 0
         f, top, _ = run(cand)
         if top <= limit_s and f >= best:
             best, order = f, cand
-        if step % max(1, steps // 10) == 0:
-            lines.append(f"| {name}, {where} | after {step} steps | {max(best, 0.0):.4f} |")
+        if done % max(1, steps // 10) == 0:
+            lines.append(f"| {name}, {where} | after {done} steps | {max(best, 0.0):.4f} |")
     f, top, p99 = run(order)
     lines.append(f"| {name}, {where} | final order | {f:.4f}, largest TTFT {top / best_p99:.2f}x, "
                  f"TTFT p99 {p99 / best_p99:.2f}x (limit {TTFT_LIMIT:.2f}x of {best_p99:.2f} s) |")

@@ -50,7 +50,6 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
     import random
     import time
 
-    sys.path.insert(0, str(ROOT))
     import scheduler
     from batch.policies.policy import FCFSPolicy
     from inference_stub import Request
@@ -104,6 +103,13 @@ def _child(seed: int, style: str, with_a: bool, policy: str) -> float:
     return statistics.median(first.values())
 
 
+def _child_env() -> dict[str, str]:
+    """The child's environment: this checkout first on ``PYTHONPATH``, so that the child imports its
+    modules, as a harness with the checkout on ``sys.path`` does, whatever ``python`` has installed."""
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def measure(seed: int, style: str, with_a: bool, *, policy: str = "batch", python: str = sys.executable,
             timeout_s: float = 120.0) -> float:
     """B's median TTFT (seconds) for one seed, style and with/without A, measured in a fresh process.
@@ -112,8 +118,7 @@ def measure(seed: int, style: str, with_a: bool, *, policy: str = "batch", pytho
         RuntimeError: the child process failed (its stderr's tail in the message).
     """
     p = subprocess.run([python, str(Path(__file__).resolve()), "--child", str(seed), style, str(int(with_a)), policy],
-                       capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
-                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+                       capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=_child_env())
     if p.returncode != 0:
         raise RuntimeError(f"seed {seed} {style} with_a={with_a}: exit {p.returncode}: {p.stderr[-800:]}")
     return float(p.stdout.strip().splitlines()[-1])

@@ -45,16 +45,12 @@ import gc
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import ray
 
-import ray  # noqa: E402
-
-from batch.scaleout.ray_serve import POLICY_FORGETS, CountersActor, _counters_actor  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
+from batch.scaleout.ray_serve import POLICY_FORGETS, CountersActor, _counters_actor
+from spec import fairness_rules as fr
 
 HEAVY = "heavy"
 TOLERANCE_UNITS = fr.TOLERANCE_TOKENS * fr.COUNTER_SCALE  # what _counters_actor gives the actor

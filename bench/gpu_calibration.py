@@ -56,11 +56,10 @@ from typing import Sequence
 
 import numpy as np
 
+from batch.sim import gpu_profile as gp
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
-
-from batch.sim import gpu_profile as gp  # noqa: E402
 
 DATA = HERE / "data"
 MLP_CSV = DATA / "vidur_mlp_tp1.csv"
@@ -314,7 +313,7 @@ def fit_all(mlp: dict | None = None, decode: list | None = None) -> tuple[gp.Ste
 
 def sharegpt_requests(seed: int, n: int = VLLM_THROUGHPUT_PROMPTS, traces: Path | None = None):
     """``n`` (prompt, output) pairs of ShareGPT V3 first turns, vLLM's benchmark filter, drawn with ``seed``."""
-    from batch.sim import traces as tr  # noqa: PLC0415
+    from batch.sim import traces as tr
     path = tr.traces_dir(traces) / SHAREGPT
     pairs = []
     with path.open() as f:
@@ -328,7 +327,7 @@ def sharegpt_requests(seed: int, n: int = VLLM_THROUGHPUT_PROMPTS, traces: Path 
 def throughput_check(seeds: Sequence[int], traces: Path | None = None) -> list[tuple[str, list[float]]]:
     """Requests/s of the throughput test on this clock, per seed: vLLM's scheduler (if it imports)
     at its LLM-class defaults, and Batch with the same limits."""
-    import vllm_compare as vc  # noqa: PLC0415
+    import vllm_compare as vc
     clock = dataclasses.replace(vc.clock_for(PROFILE), max_num_batched_tokens=VLLM_LLM_CLASS_MAX_NUM_BATCHED_TOKENS,
                                 max_num_seqs=VLLM_LLM_CLASS_MAX_NUM_SEQS)
     out = []
@@ -386,7 +385,7 @@ def report(seeds: Sequence[int], traces: Path | None) -> tuple[str, bool]:
     steps = latency_steps(**VLLM_LATENCY_SHAPE)
     lat = sum(prof.step_time_s(s) for s in steps)
     dec = prof.breakdown(steps[1])
-    lines += ["", f"Published end-to-end figures (vLLM performance benchmark, H100, Llama-3.1-8B bf16, tensor parallel 1):", "",
+    lines += ["", "Published end-to-end figures (vLLM performance benchmark, H100, Llama-3.1-8B bf16, tensor parallel 1):", "",
               "| figure | published | this model | error | used by the fit |", "|---|---|---|---|---|",
               f"| latency: 32 in, 128 out, batch 8 (ms) | {VLLM_LATENCY_H100_MS:.1f} | {lat * 1e3:.1f} | "
               f"{(lat * 1e3 / VLLM_LATENCY_H100_MS - 1) * 100:+.1f}% | yes (it sets the overhead) |"]

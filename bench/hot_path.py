@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -33,8 +34,10 @@ def _child(tree: str, running: int, waiting: int, ticks: int) -> float:
     (``bench.tick_overhead_us``, ``make bench``'s method, on that tree's ``Scheduler``)."""
     import importlib.util
 
-    sys.path.insert(0, tree)
-    import scheduler  # from `tree`: bench.py's own `import scheduler` then finds this one
+    import scheduler  # from `tree`, first on PYTHONPATH (``measure``): bench.py's `import scheduler` finds this one
+
+    if not Path(scheduler.__file__).resolve().is_relative_to(Path(tree).resolve()):
+        raise SystemExit(f"scheduler imported from {scheduler.__file__}, not from {tree}")
 
     spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parent / "bench.py")
     bench = importlib.util.module_from_spec(spec)  # this tree's bench.py, whichever tree is measured
@@ -44,9 +47,11 @@ def _child(tree: str, running: int, waiting: int, ticks: int) -> float:
 
 
 def measure(tree: Path, running: int, waiting: int, ticks: int) -> float:
-    """One measurement in a fresh process; microseconds per tick."""
+    """One measurement in a fresh process that imports ``tree``'s modules; microseconds per tick."""
+    path = os.pathsep.join(x for x in (str(tree), os.environ.get("PYTHONPATH", "")) if x)
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(tree), str(running),
-                        str(waiting), str(ticks)], capture_output=True, text=True, cwd=tree)
+                        str(waiting), str(ticks)], capture_output=True, text=True, cwd=tree,
+                       env={**os.environ, "PYTHONPATH": path})
     if p.returncode != 0:
         raise RuntimeError(f"{tree}: {p.stderr[-600:]}")
     return float(p.stdout.strip().splitlines()[-1])

@@ -16,12 +16,9 @@ from __future__ import annotations
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+from inference_stub import Request
+from scheduler import Scheduler
 
 SETTINGS = ((200, 4, 4), (1000, 4, 8), (1000, 1, 8), (5000, 2, 32))
 

@@ -12,15 +12,11 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import zlib
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import scheduler  # noqa: E402
-from inference_stub import Request  # noqa: E402
+import scheduler
+from inference_stub import Request
 
 
 def _backend(batch: list[Request]) -> list[int]:

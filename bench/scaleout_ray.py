@@ -18,23 +18,17 @@ import asyncio
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import ray
+from ray import serve
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+import request_gen
+from batch.scaleout.ray_serve import ScaleoutClient, deploy
+from spec import fairness_rules as fr
 
-import request_gen  # noqa: E402
-from batch.scaleout.ray_serve import ScaleoutClient, deploy  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-from bench_fairness import MAX_TOKENS_RANGE, PROMPT_RANGE  # noqa: E402
-from scaleout_sim import overload  # noqa: E402
+from bench_fairness import MAX_TOKENS_RANGE, PROMPT_RANGE
+from scaleout_sim import overload
 
 
 def overload_gap(replicas: int, per_user: int, time_scale: float) -> None:

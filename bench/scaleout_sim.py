@@ -34,19 +34,13 @@ import json
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "bench"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import request_gen  # noqa: E402
-from batch.scaleout.cluster import ClusterResult, LocalCluster  # noqa: E402
-from bench_fairness import MAX_TOKENS_RANGE, OVERLOAD_USERS, PROMPT_RANGE, _req  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from spec import fairness_rules as fr  # noqa: E402
+import request_gen
+from batch.scaleout.cluster import ClusterResult, LocalCluster
+from bench_fairness import MAX_TOKENS_RANGE, OVERLOAD_USERS, PROMPT_RANGE, _req
+from inference_stub import Request
+from spec import fairness_rules as fr
 
 
 def overload(seed: int, per_user: int) -> list[Request]:

@@ -35,10 +35,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from batch.server.auth import Identities, KeyRing
 
-from batch.server.auth import Identities, KeyRing  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:

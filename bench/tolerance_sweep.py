@@ -27,24 +27,22 @@ import argparse
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
+import bench_fairness as bf
+import vllm_compare as vc
+from batch.policies.policy import FCFSPolicy
+from batch.policies.vtc import VTCPolicy
+from batch.sim import simulate
+from inference_stub import Request
+from scheduler import Scheduler
 
-import bench_fairness as bf  # noqa: E402
-import vllm_compare as vc  # noqa: E402
-from batch.policies.policy import FCFSPolicy  # noqa: E402
-from batch.policies.vtc import VTCPolicy  # noqa: E402
-from batch.sim import simulate  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 BALANCED = ("trace200_poisson20_seed0.csv", "poisson_n300_r30_seed0.csv")
 
 
 def light_user_ticks(policy: VTCPolicy) -> int:
     """Ticks from user L's arrival to its first token, early in user A's burst (see above)."""
-    from inference_stub import SimulatedGPU, VirtualClock  # noqa: PLC0415
+    from inference_stub import SimulatedGPU, VirtualClock
 
     clock = VirtualClock()
     gpu = SimulatedGPU(eos_probability=0.0, seed=0, clock=clock)

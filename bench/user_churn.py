@@ -38,10 +38,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from batch.server.bench_serve import scrape
 
-from batch.server.bench_serve import scrape  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def memory(base_url: str) -> dict[str, float]:

@@ -99,13 +99,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from batch.sim import simulate, traces
+from inference_stub import Request
+from scheduler import Scheduler
 
-from batch.sim import simulate, traces  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 #: The stub's simulated GPU, the same for both schedulers.
 BASE_S = 0.005
@@ -200,7 +198,7 @@ def clock_for(name: str) -> Clock:
     """
     if name == "stub":
         return STUB
-    from batch.sim import gpu_profile  # noqa: PLC0415
+    from batch.sim import gpu_profile
 
     prof = gpu_profile.get(name)
     lim = prof.limits
@@ -471,19 +469,17 @@ def _vllm():
     if "mods" not in _VLLM_CACHE:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        try:
-            import torch  # noqa: PLC0415
-            from transformers import LlamaConfig  # noqa: PLC0415
-            from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig,  # noqa: PLC0415
-                                     VllmConfig)
-            from vllm.sampling_params import SamplingParams  # noqa: PLC0415
-            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VAsyncScheduler  # noqa: PLC0415
-            from vllm.v1.core.sched.scheduler import Scheduler as VScheduler  # noqa: PLC0415
-            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: PLC0415
-                                                    KVCacheGroupSpec)
-            from vllm.v1.outputs import ModelRunnerOutput  # noqa: PLC0415
-            from vllm.v1.request import Request as VRequest  # noqa: PLC0415
-            from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
+        try:  # F401: each name is read through locals() below
+            import torch  # noqa: F401
+            from transformers import LlamaConfig  # noqa: F401
+            from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: F401
+            from vllm.sampling_params import SamplingParams  # noqa: F401
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VAsyncScheduler  # noqa: F401
+            from vllm.v1.core.sched.scheduler import Scheduler as VScheduler  # noqa: F401
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: F401
+            from vllm.v1.outputs import ModelRunnerOutput  # noqa: F401
+            from vllm.v1.request import Request as VRequest  # noqa: F401
+            from vllm.v1.structured_output import StructuredOutputManager  # noqa: F401
         except ImportError as e:
             raise VLLMUnavailable(f"vllm is not importable here ({e}); `make bench-vllm` installs it "
                                   f"into .venv-vllm, or pass --batch-only") from e
@@ -539,8 +535,8 @@ def make_vllm_scheduler(threshold: int = CHUNK_TOKENS, cls=None, clock: Clock = 
 def make_fair_scheduler(threshold: int = CHUNK_TOKENS, policy=None, clock: Clock = STUB, **kwargs):
     """vLLM's V1 ``Scheduler`` with Batch's fairness: ``batch.integrations.vllm.FairScheduler``
     (``policy``: its ``fair_policy``, default ``VTCPolicy()``), set up as ``make_vllm_scheduler``."""
-    from batch.integrations.vllm import FairScheduler  # noqa: PLC0415
-    from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+    from batch.integrations.vllm import FairScheduler
+    from batch.policies.vtc import VTCPolicy
     return make_vllm_scheduler(threshold, FairScheduler, clock=clock,
                                fair_policy=policy if policy is not None else VTCPolicy(), **kwargs)
 
@@ -553,8 +549,8 @@ def make_async_vllm_scheduler(threshold: int = CHUNK_TOKENS, clock: Clock = STUB
 def make_async_fair_scheduler(threshold: int = CHUNK_TOKENS, policy=None, clock: Clock = STUB):
     """vLLM's ``AsyncScheduler`` with Batch's fairness: ``batch.integrations.vllm.AsyncFairScheduler``
     (``policy``: its ``fair_policy``, default ``VTCPolicy()``), set up as ``make_vllm_scheduler``."""
-    from batch.integrations.vllm import AsyncFairScheduler  # noqa: PLC0415
-    from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+    from batch.integrations.vllm import AsyncFairScheduler
+    from batch.policies.vtc import VTCPolicy
     return make_vllm_scheduler(threshold, AsyncFairScheduler, clock=clock,
                                fair_policy=policy if policy is not None else VTCPolicy())
 
@@ -1024,16 +1020,16 @@ def gpu_row(trace: str, load: float, rate: float, run: Run, name: str) -> str:
 def gpu_runners(clock: Clock, vllm_threshold: int, batch_chunk: int | None, *, fcfs: bool, tolerances: Sequence[int],
                 vllm: bool, fair_vllm: bool) -> list[tuple[str, Callable[..., Run]]]:
     """The schedulers of a GPU-clock table, each a ``runner(reqs, at_once=False) -> Run`` on ``clock``."""
-    from functools import partial  # noqa: PLC0415
+    from functools import partial
 
     chunk = clock.max_num_batched_tokens if batch_chunk is None else batch_chunk
     out: list[tuple[str, Callable[..., Run]]] = [("Batch", partial(run_batch, clock=clock, chunk_tokens=chunk))]
     if fcfs:
-        from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
+        from batch.policies.policy import FCFSPolicy
         out.append(("Batch-FCFS", partial(run_batch, clock=clock, chunk_tokens=chunk, name="Batch-FCFS",
                                           factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k))))
     for tol in tolerances:
-        from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+        from batch.policies.vtc import VTCPolicy
         out.append((f"Batch-T{tol}", partial(run_batch, clock=clock, chunk_tokens=chunk, name=f"Batch-T{tol}",
                                              factory=lambda tol=tol, **k: Scheduler(
                                                  policy=VTCPolicy(tolerance_tokens=tol), **k))))
@@ -1050,11 +1046,11 @@ def gpu_runners(clock: Clock, vllm_threshold: int, batch_chunk: int | None, *, f
 def reference_runner(clock: Clock, vllm: bool) -> tuple[str, Callable[..., Run]]:
     """The scheduler whose saturation run defines a trace's capacity on ``clock``: vLLM at its default
     chunking when vllm imports, else Batch-FCFS with chunks up to the token budget."""
-    from functools import partial  # noqa: PLC0415
+    from functools import partial
 
     if vllm:
         return "vLLM at its default chunking", partial(run_vllm, clock=clock, threshold=0)
-    from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
+    from batch.policies.policy import FCFSPolicy
     return ("Batch-FCFS with chunks up to the token budget (vllm not importable)",
             partial(run_batch, clock=clock, chunk_tokens=clock.max_num_batched_tokens,
                     factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k)))
@@ -1146,14 +1142,14 @@ def plot_sweep(data: dict, out: Path) -> str:
     and TPOT p99 against the offered request rate, one line per scheduler. Without matplotlib here,
     the data go to ``out`` with ``.json`` and the project's ``.venv`` draws them
     (``python bench/vllm_compare.py --plot-json FILE``). Returns what was written."""
-    import json  # noqa: PLC0415
+    import json
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         js = out.with_suffix(".json")
         js.write_text(json.dumps(data, indent=1))
@@ -1224,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot-json", default=None, help=argparse.SUPPRESS)  # draw a sweep's saved data, then exit
     a = p.parse_args(argv)
     if a.plot_json:
-        import json  # noqa: PLC0415
+        import json
         print(plot_sweep(json.loads(Path(a.plot_json).read_text()), Path(a.plot)))
         return 0
     try:
@@ -1276,13 +1272,13 @@ def stub_section(a: argparse.Namespace, files: Sequence[Path], folder: Path) -> 
     steady-state CPU sweep and the A/B ratios."""
     runners: list[tuple[str, Callable[..., Run]]] = [("Batch", run_batch)]
     if a.fcfs:
-        from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
+        from batch.policies.policy import FCFSPolicy
 
         def run_fcfs(reqs, **kw):
             return run_batch(reqs, factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k), name="Batch-FCFS", **kw)
         runners.append(("Batch-FCFS", run_fcfs))
     for tol in a.tolerance:
-        from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
+        from batch.policies.vtc import VTCPolicy
 
         def run_tol(reqs, tol=tol, **kw):
             return run_batch(reqs, factory=lambda **k: Scheduler(policy=VTCPolicy(tolerance_tokens=tol), **k),
@@ -1347,8 +1343,8 @@ def stub_section(a: argparse.Namespace, files: Sequence[Path], folder: Path) -> 
     print_per_user(trials, [name for name, _ in runners], None if a.batch_only else vname)
     if not a.no_sweep:
         sweeps = [(name, cpu_sweep(runner)) for name, runner in runners]
-        print(f"\nScheduler CPU per step (us), n requests decoding together (prompt 4, output 28, "
-              f"all at time 0; least of 3 runs)\n")
+        print("\nScheduler CPU per step (us), n requests decoding together (prompt 4, output 28, "
+              "all at time 0; least of 3 runs)\n")
         print("| scheduler | " + " | ".join(f"n = {n}" for n in SWEEP_SIZES) + " |")
         print("|---|" + "---|" * len(SWEEP_SIZES))
         for name, sw in sweeps:

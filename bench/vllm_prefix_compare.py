@@ -59,15 +59,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import vllm_compare as vc  # noqa: E402
-from batch.sim import simulate, traces  # noqa: E402
-from inference_stub import Request  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+import vllm_compare as vc
+from batch.sim import simulate, traces
+from inference_stub import Request
+from scheduler import Scheduler
 
 #: The cache on both sides on the stub's clock: 2,048 blocks of 16 tokens (``workloads``
 #: ``mooncake-conv``'s cap), and Batch's defaults as the limits of both (256 resident requests, a
@@ -197,9 +192,9 @@ def vllm_block_hasher():
     is on (its hash function, chained over 16-token blocks): without one a request has no block
     hashes and never hits."""
     if "block_hasher" not in vc._VLLM_CACHE:
-        from vllm.config import CacheConfig  # noqa: PLC0415
-        from vllm.utils.hashing import get_hash_fn_by_name  # noqa: PLC0415
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: PLC0415
+        from vllm.config import CacheConfig
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         fn = get_hash_fn_by_name(CacheConfig(block_size=BLOCK_TOKENS).prefix_caching_hash_algo)
         init_none_hash(fn)
@@ -307,7 +302,7 @@ def ab_shared_prompt_ratios(seeds: Sequence[int], prefix_caching: bool) -> tuple
     """The seed's A/B burst (``bench_fairness.ab_burst``, arrivals over 1 s) with every prompt after
     one 512-token system prompt, on the virtual clock with 1,024 blocks: B's median TTFT with A over
     the same B requests alone, per seed, and the last run's hit rate (``docs/prefix-caching.md``)."""
-    import bench_fairness as bf  # noqa: PLC0415
+    import bench_fairness as bf
 
     system = traces.block_token_ids(0)
 
@@ -332,7 +327,7 @@ def unbounded_hit_rate(reqs: Sequence[PromptRequest], block_tokens: int = BLOCK_
     """The hit rate ``reqs`` would reach in arrival order with a cache that never evicts: each
     prompt's leading full blocks (``batch.core.prefix_cache.block_keys``) seen in an earlier prompt,
     in tokens, over all prompt tokens. What the trace window allows; a real cache evicts."""
-    from batch.core.prefix_cache import block_keys  # noqa: PLC0415
+    from batch.core.prefix_cache import block_keys
 
     seen: set = set()
     hit = total = 0
@@ -369,7 +364,7 @@ def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: i
     is the steady-state completion rate of the rows all submitted at once, through vLLM with prefix
     caching at that chunking (Batch-FCFS where vllm does not import); the rows are not repeated,
     which would make copies hit each other."""
-    from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
+    from batch.policies.policy import FCFSPolicy
 
     print(f"\n## GPU clock `{clock.name}`: prefix caching on both sides\n\n{clock.describe()}\n")
     print(f"First {limit} rows of each trace, {users} users; each trace time-scaled to {load:g} x its capacity at each "
@@ -388,7 +383,7 @@ def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: i
                      f"max_model_len {clock.max_model_len:,}); mean prompt {mean_prompt:,.0f} tokens, so the cache "
                      f"holds {clock.kv_blocks * clock.block_tokens / mean_prompt:.0f} of them; hit rate these rows "
                      f"would reach with a cache that never evicts: {unbounded_hit_rate(reqs) * 100:.1f}%")
-        for label, thr, chunk in vc.CHUNKINGS:
+        for _label, thr, chunk in vc.CHUNKINGS:
             chunk = clock.max_num_batched_tokens if chunk is None else chunk
             short = f"thr {thr} / chunk {chunk}"
             if vllm:
@@ -396,7 +391,8 @@ def gpu_section(clock: vc.Clock, folder: Path, names: Sequence[str], *, limit: i
             else:
                 ref = functools.partial(run_batch, clock=clock, chunk_tokens=chunk,
                                         factory=lambda **k: Scheduler(policy=FCFSPolicy(), **k))
-            cap = vc.capacity(reqs, lambda r, at_once=False: ref(r, at_once=at_once).run, min_requests=0)
+            cap = vc.capacity(reqs, lambda r, at_once=False: ref(r, at_once=at_once).run,  # noqa: B023 - called here
+                              min_requests=0)
             scaled, rate = vc.at_load(reqs, load, cap)
             runners = [functools.partial(run_batch, clock=clock, chunk_tokens=chunk)]
             if diagnose:  # what the difference from vLLM is made of: the order, then isolation

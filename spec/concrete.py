@@ -19,7 +19,7 @@ import ast
 import inspect
 import textwrap
 import types
-from typing import Any, Callable
+from typing import Callable
 
 from spec import fairness_rules, rules
 

@@ -23,7 +23,7 @@ class _Drawn:
 
 def mermaid() -> str:
     """The Mermaid ``stateDiagram-v2`` source of ``spec.lifecycle.TRANSITIONS`` (trailing blanks stripped)."""
-    from transitions.extensions.diagrams import GraphMachine  # noqa: PLC0415
+    from transitions.extensions.diagrams import GraphMachine
 
     drawn = _Drawn()
     lc.new_machine(machine_cls=GraphMachine, graph_engine="mermaid", model=drawn, title="Request lifecycle")

@@ -298,7 +298,7 @@ def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None
         fail("ledger_consistent", f"free {st.pool.num_free} + held {sum(held)} != cap {cap}")
     try:
         st.pool.check([s.block_table for s in st.running])
-    except Exception as e:  # the pool's own ledger: a block free and held, or held twice
+    except Exception as e:  # noqa: BLE001 - the pool's own ledger: a block free and held, or held twice
         fail("ledger_consistent", str(e))
     if cfg.prefix_caching:  # a cached block holds computed KV: each holder has computed all of it
         for s in st.running:
@@ -333,7 +333,7 @@ def check_state(sched: Any, *, finished: Iterable[Any] = (), tick_no: int | None
     p = sched.policy
     if hasattr(p, "_counter"):  # VTC: a user with a live request is never forgotten (its counter is kept)
         live_users = {s.user_id for s in records if s.state not in lc.FINAL_STATES}
-        lost = sorted(u for u in live_users if u not in p._counter)  # noqa: SLF001
+        lost = sorted(u for u in live_users if u not in p._counter)
         if lost:
             fail("active_users_counted", f"users {lost} have live requests but no VTC counter (forgotten)")
     for name, counts, rows in (("resident", st.resident_by_user, st.running), ("waiting", st.waiting_by_user, waiting)):
@@ -408,7 +408,7 @@ class InvariantChecker:
         self._kv: dict[int, tuple[Any, tuple[int, ...]]] = {}
         self._chains: dict[Any, list[int]] = {}  # record -> its prefix chain, memoised (tokens only grow)
         self._writes: list[tuple[Any, list[int], int, int]] = []  # (record, table, start, end) at forward
-        from spec.refinement import TraceValidator  # noqa: PLC0415 - spec.refinement imports this module
+        from spec.refinement import TraceValidator  # spec.refinement imports this module
 
         self.validator = TraceValidator()
 
@@ -428,7 +428,7 @@ class InvariantChecker:
     def before_tick(self, sched: Any) -> None:
         """At the start of every tick (before ``schedule()``): the snapshots, and the policy's
         victim choice watched (``victim_candidates``)."""
-        from spec import reference  # noqa: PLC0415
+        from spec import reference
 
         p = sched.policy
         vars(p)["_checked_by"] = sched  # the scheduler ticking with this policy now
@@ -655,7 +655,7 @@ class InvariantChecker:
             else:
                 self._check_reference(sched, plan, tokens, now_s, fail)
                 self.checked += 1
-        from spec.refinement import RefinementError  # noqa: PLC0415 - spec.refinement imports this module
+        from spec.refinement import RefinementError  # spec.refinement imports this module
 
         try:
             self.validator.after_tick(sched, plan, {s: s.finish_reason for s in done})
@@ -665,7 +665,7 @@ class InvariantChecker:
     def _check_reference(self, sched: Any, plan: Any, tokens: Sequence[int], now_s: float | None,
                          fail: Callable[[str, str], None]) -> None:
         """The state the tick left against ``reference_apply`` (``reference_state``)."""
-        from spec import reference  # noqa: PLC0415
+        from spec import reference
 
         snap, st = self._snap, sched.state
         want = reference.reference_apply(snap, self._ref, tokens)
@@ -690,7 +690,7 @@ class InvariantChecker:
             fail("reference_state", f"FCFS queue: the rules give {_show(want.queue)}, the policy "
                                     f"{_show(list(p.order()))}")
         if snap.policy == "rr":
-            turns = [(u, list(q)) for u, q in p._queues.items()]  # noqa: SLF001
+            turns = [(u, list(q)) for u, q in p._queues.items()]
             left = sorted((s for s in st.by_obj.values() if s.state in lc.WAITING_STATES), key=lambda s: s.arrival_no)
             want_turns = [(u, [s for s in left if s.user_id == u]) for u in want.turns]
             if not _same(turns, want_turns):
@@ -731,16 +731,16 @@ class InvariantChecker:
 def snapshot(sched: Any) -> Any:
     """The scheduler's state as ``spec.reference.Snapshot``, or ``None`` for a policy the
     reference does not model (the refinement mapping: it reads the records, not the plan)."""
-    from batch.policies.policy import Policy  # noqa: PLC0415
-    from batch.policies.roundrobin import RoundRobinPolicy  # noqa: PLC0415
-    from batch.policies.vtc import VTCPolicy  # noqa: PLC0415
-    from spec import reference  # noqa: PLC0415
+    from batch.policies.policy import Policy
+    from batch.policies.roundrobin import RoundRobinPolicy
+    from batch.policies.vtc import VTCPolicy
+    from spec import reference
 
     p, st, c = sched.policy, sched.state, sched.config
     try:
-        from batch.scaleout.counters import GlobalVTCPolicy  # noqa: PLC0415
+        from batch.scaleout.counters import GlobalVTCPolicy
     except ImportError:  # pragma: no cover - the module needs nothing beyond the core
-        GlobalVTCPolicy = None  # noqa: N806
+        GlobalVTCPolicy = None
     glob = GlobalVTCPolicy is not None and type(p) is GlobalVTCPolicy
     kind = "fcfs" if type(p) is Policy else "vtc" if type(p) is VTCPolicy or glob else \
         "rr" if type(p) is RoundRobinPolicy else None
@@ -756,7 +756,7 @@ def snapshot(sched: Any) -> Any:
     if kind == "fcfs":
         snap.queue = list(p.order())
     elif kind == "rr":
-        snap.turns = list(p._queues)  # noqa: SLF001
+        snap.turns = list(p._queues)
     else:
         snap.counters, snap.floor, snap.weights = _counters(p), p.floor, dict(p.weights)
         snap.forgets = not glob
@@ -767,7 +767,7 @@ def snapshot(sched: Any) -> Any:
 def _counters(p: Any) -> dict[str, int]:
     """VTC's counters as the policy reads them (``counter(u)``), for every user it keeps a counter
     for or, under ``GlobalVTCPolicy``, adds others' service to."""
-    return {u: p.counter(u) for u in (*p._counter, *getattr(p, "_add", ()))}  # noqa: SLF001
+    return {u: p.counter(u) for u in (*p._counter, *getattr(p, "_add", ()))}
 
 
 def _same_time(a: Any, b: Any) -> bool:
@@ -817,7 +817,7 @@ class ProductionChecker:
     """
 
     def __init__(self) -> None:
-        import logging  # noqa: PLC0415
+        import logging
 
         self.log = logging.getLogger("batch.checks")
         self.ticks = 0
@@ -874,7 +874,7 @@ class ProductionChecker:
                 if not resident_covered(h, s.num_tokens, B):
                     self._violation("resident_covered", f"{s.request_id}: holds {h} blocks for {s.num_tokens} tokens")
                 if prefix:
-                    bad = [b for b in s.block_table[self._pre[i]:] if pool.refs[b] < 1 or pool._is_free[b]]  # noqa: SLF001
+                    bad = [b for b in s.block_table[self._pre[i]:] if pool.refs[b] < 1 or pool._is_free[b]]
                     if bad:
                         self._violation("refcount_held", f"{s.request_id}: took blocks {bad} that are free or have "
                                                          f"no reference count")

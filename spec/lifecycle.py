@@ -62,7 +62,7 @@ def new_machine(**kwargs: Any):
     """
     machine_cls = kwargs.pop("machine_cls", None)
     if machine_cls is None:
-        from transitions import Machine as machine_cls  # noqa: PLC0415
+        from transitions import Machine as machine_cls
     return machine_cls(
         model=kwargs.pop("model", None),
         states=list(STATES),

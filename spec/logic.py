@@ -19,7 +19,7 @@ def _is_z3(*xs: Any) -> bool:
 
 
 def _z3():
-    import z3  # noqa: PLC0415 - only needed when a z3 term is passed
+    import z3  # only needed when a z3 term is passed
 
     return z3
 

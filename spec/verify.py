@@ -46,7 +46,7 @@ CODE_STATE = {v: k for k, v in STATE_CODE.items()} | {ABSENT: "absent"}
 
 
 def _z3():
-    import z3  # noqa: PLC0415 - the runtime scheduler never needs z3
+    import z3  # the runtime scheduler never needs z3
 
     return z3
 
@@ -144,8 +144,8 @@ class Trace:
             end}, "error": exception or None}``; an exception (``InvariantViolation``, a failed
             assertion) stops the run.
         """
-        from inference_stub import Request  # noqa: PLC0415
-        from scheduler import Scheduler  # noqa: PLC0415
+        from inference_stub import Request
+        from scheduler import Scheduler
 
         eos = {rid: e for _, rid, _, _, e in self.requests if e}
         kw = dict(self.cfg, backend=EosBackend(eos), check_invariants=True) | fcfs_kwargs() | scheduler_kwargs
@@ -250,7 +250,7 @@ FCFS_SOURCE = "policy=FCFSPolicy(), max_preemptions=None, aging_ticks=10**9, hol
 
 def fcfs_kwargs() -> dict[str, Any]:
     """``FCFS_SOURCE`` as keyword arguments (a fresh policy each call)."""
-    from batch.policies.policy import FCFSPolicy  # noqa: PLC0415
+    from batch.policies.policy import FCFSPolicy
 
     return {"policy": FCFSPolicy(), "max_preemptions": None, "aging_ticks": 10**9, "hold_ticks": 10**9}
 
@@ -787,7 +787,7 @@ def unroll(opts: Options, *, fcfs: bool = True) -> Run:
     an EOS position in ``0..bmc_max_tokens`` (0: the backend never returns EOS).
     """
     z3 = _z3()
-    from spec import rules  # noqa: PLC0415
+    from spec import rules
 
     R, K = opts.bmc_requests, opts.bmc_depth
     cfg = opts.bmc_cfg()
@@ -802,7 +802,10 @@ def unroll(opts: Options, *, fcfs: bool = True) -> Run:
     service = longest + opts.bmc_max_tokens  # >= fcfs_service_ticks of one request
     top = max(longest, cfg.chunk_tokens, cfg.budget_tokens, cfg.cap_blocks, cfg.max_running, K + R * service) + longest
     width = (2 * top).bit_length() + 1
-    var = (lambda name: z3.BitVec(name, width))
+
+    def var(name: str) -> Any:
+        return z3.BitVec(name, width)
+
     zero = z3.BitVecVal(0, width)
     reqs = [Req(zero + ABSENT, var(f"P{j}"), var(f"M{j}"), var(f"E{j}"), zero, zero, zero, zero, var(f"a{j}"))
             for j in range(R)]
@@ -902,7 +905,7 @@ def check_no_starvation_fcfs(opts: Options) -> Outcome:
     """Bounded model checking: only deadlines that fall within the depth are checked; one query
     per depth (``Run.stages``): the deadlines that fall at the end of tick ``t``."""
     run = unroll(opts)
-    K, R = opts.bmc_depth, opts.bmc_requests
+    K = opts.bmc_depth
     chunk = min(opts.bmc_chunk_tokens, opts.bmc_budget_tokens)
     T = [model.fcfs_service_ticks(r.P, r.M, chunk) for r in run.reqs0]
     goals: list[list[tuple[str, Any]]] = [[] for _ in range(K)]
@@ -1050,6 +1053,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the imported ``spec.verify``, not this ``__main__`` copy: plugins register into the former.
-    from spec.verify import main as _main  # noqa: PLC0415
+    from spec.verify import main as _main
 
     sys.exit(_main())

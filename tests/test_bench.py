@@ -98,7 +98,7 @@ def _three_waiting() -> tuple[list, list, dict[int, int]]:
 
 
 def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
-    from batch.policies.oracle import ClairvoyantPolicy  # noqa: PLC0415
+    from batch.policies.oracle import ClairvoyantPolicy
     _, seqs, lengths = _three_waiting()
     p = ClairvoyantPolicy(lengths)
     for s in seqs:
@@ -109,7 +109,7 @@ def test_clairvoyant_oracle_admits_the_longest_remaining_work_first():
 
 
 def test_clairvoyant_oracle_orders_shortest_first_and_by_arrival():
-    from batch.policies.oracle import ClairvoyantPolicy  # noqa: PLC0415
+    from batch.policies.oracle import ClairvoyantPolicy
     _, seqs, lengths = _three_waiting()
     for order, want in (("spt", [0, 2, 1]), ("fifo", [0, 1, 2])):
         p = ClairvoyantPolicy(lengths, order=order)
@@ -122,7 +122,7 @@ def test_clairvoyant_oracle_orders_shortest_first_and_by_arrival():
 
 
 def test_longest_max_tokens_first_reads_only_max_tokens_and_drains_every_request():
-    from bench_throughput import LongestMaxTokensFirst  # noqa: PLC0415
+    from bench_throughput import LongestMaxTokensFirst
     p = LongestMaxTokensFirst()
     seqs = []
     for i, m in enumerate((5, 50, 20)):
@@ -310,7 +310,7 @@ def _optimal_bins(sizes: list[int], cap: int) -> int:
 
 
 def test_l2_bin_bound_is_a_lower_bound_at_least_the_area():
-    from bench_throughput import l2_bin_bound  # noqa: PLC0415
+    from bench_throughput import l2_bin_bound
     cap = 10
     assert l2_bin_bound(np.bincount([6] * 5, minlength=cap + 1), cap) == 5  # area says 3
     rng = random.Random(3)
@@ -323,7 +323,7 @@ def test_l2_bin_bound_is_a_lower_bound_at_least_the_area():
 
 @pytest.mark.slow
 def test_ranked_order_admits_by_rank_and_the_search_never_loses_ground():
-    from bench_throughput import _RankedPolicy, order_search  # noqa: PLC0415
+    from bench_throughput import _RankedPolicy, order_search
     reqs = [make_req(f"q{i}", n_prompt=8, max_tokens=4) for i in range(4)]
     rank = {"q2": 0, "q0": 1, "q3": 2, "q1": 3}
     sched = Scheduler(policy=_RankedPolicy({id(r): 4 for r in reqs}, rank), kv_cap_blocks=4,
@@ -344,7 +344,7 @@ def test_ranked_order_admits_by_rank_and_the_search_never_loses_ground():
 
 @pytest.mark.slow
 def test_ttft_search_keeps_every_ttft_within_the_limit_and_never_loses_ground(monkeypatch):
-    import bench_throughput as bt  # noqa: PLC0415
+    import bench_throughput as bt
     # A tight limit, under arrival order's largest TTFT (1.05x): only orders within it are kept.
     monkeypatch.setattr(bt, "TTFT_LIMIT", 1.02)
     lines = bt.ttft_search("ab-burst", steps=20, seed=2, last=30)
@@ -359,7 +359,7 @@ def test_ttft_search_keeps_every_ttft_within_the_limit_and_never_loses_ground(mo
 
 
 def test_online_frontier_runs_batch_and_aged_lpt_whose_beta_0_is_the_shipped_order(monkeypatch):
-    import bench_throughput as bt  # noqa: PLC0415
+    import bench_throughput as bt
     monkeypatch.setattr(bt, "AGED_LPT_BETAS_S", (0.0, 0.02))
     lines = bt.online_frontier(n_seeds=1)
     assert "aged" not in bench.POLICIES

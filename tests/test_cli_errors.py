@@ -196,7 +196,7 @@ def test_cli_cuda_without_cuda_is_one_line_error():
 @pytest.mark.parametrize("device", ["foo", "cuda:x", "", "meta"])
 def test_resolve_device_refuses_names_that_are_no_usable_device(device):
     pytest.importorskip("torch")
-    from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
+    from batch.backends import model_backend  # the optional 'model' extra
 
     with pytest.raises(model_backend.DeviceError, match=repr(device)):
         model_backend.resolve_device(device)
@@ -215,7 +215,7 @@ def test_a_bad_argument_is_one_line_naming_batch_without_the_usage_block(args, w
 
 
 def test_the_batch_sim_subcommand_names_itself_in_its_one_error_line(capsys):
-    from batch import commands  # noqa: PLC0415
+    from batch import commands
 
     with pytest.raises(SystemExit) as e:
         commands.main(["sim", "--bogus"])

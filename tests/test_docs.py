@@ -73,7 +73,7 @@ HISTORY = {"CHANGELOG.md"}
 
 FILE_EXT = r"(?:py|md|txt|toml|json|png|csv|cfg|ini|ya?ml|sh|lock)"
 PATH_RE = re.compile(rf"^(?:\.\.?/)?[\w.\-]+(?:/[\w.\-*]+)*(?:\.{FILE_EXT}|/)$")
-FUNC_RE = re.compile(rf"^([\w./\-]+\.py):([A-Za-z_]\w*)")
+FUNC_RE = re.compile(r"^([\w./\-]+\.py):([A-Za-z_]\w*)")
 DOTTED_RE = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")
 MAKE_RE = re.compile(r"\bmake ([a-z][\w-]*)")
 PYM_RE = re.compile(r"python -m ([\w.]+)")

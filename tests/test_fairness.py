@@ -523,7 +523,7 @@ def test_a_returning_user_starts_just_below_the_least_backlogged_counter_whateve
 def test_many_users_and_a_deep_queue_share_the_service_evenly():
     p = VTCPolicy(tolerance_tokens=0)
     n = 0
-    for round_ in range(50):
+    for _ in range(50):
         for u in range(200):
             p.add(_FakeSeq(f"u{u}", n))
             n += 1

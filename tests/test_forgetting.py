@@ -86,7 +86,7 @@ def test_forgetting_keeps_per_user_state_bounded() -> None:
     users idle above the floor (the heavy users, served last), the control holds one per user."""
     forgetting, control = run(VTCPolicy(), 0, 64), run(NeverForget(), 0, 64)
     users = {r.user_id for _, r, _ in churn_workload(0)}
-    assert len(control.policy._counter) == len(users)  # noqa: SLF001 - the state whose size is the point
-    kept = forgetting.policy._counter  # noqa: SLF001
+    assert len(control.policy._counter) == len(users)  # the state whose size is the point
+    kept = forgetting.policy._counter
     assert len(kept) <= 3, f"kept {len(kept)} of {len(users)} users' counters: {sorted(kept)[:10]}"
     assert all(c > forgetting.policy.floor for c in kept.values())

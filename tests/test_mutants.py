@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
-import mutants  # noqa: E402
+import mutants
 
 ALL = mutants.MUTANTS + mutants.HELD_OUT  # the held-out ones must keep applying too
 IDS = [m.name for m in ALL]
@@ -63,7 +63,6 @@ def test_end_to_end_catches_a_cheap_mutant(tmp_path) -> None:
 def test_docs_mutants_reports_each_held_out_round_apart_as_the_run_gives_it():
     """docs/mutants.md keeps each held-out round's rate before the checks were extended for it
     (``ROUNDS``) beside the rate of its run (docs/results/mutants.json), as tools/mutants.py writes it."""
-    import json
     rows = json.loads((ROOT / "docs/results/mutants.json").read_text())["mutants"]
     section = "\n".join(mutants.rounds_section(rows))
     assert section in (ROOT / "docs/mutants.md").read_text()

@@ -11,7 +11,7 @@ import sys
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
-import pip_install  # noqa: E402
+import pip_install
 
 HEADER = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
           "installed. This behaviour is the source of the following dependency conflicts.")

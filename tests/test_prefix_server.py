@@ -134,7 +134,7 @@ def srv_off():
 
 
 def test_serve_has_a_prefix_caching_flag_the_replicas_refuse(capsys):
-    from batch.server import serve  # noqa: PLC0415
+    from batch.server import serve
 
     engine, _, _ = serve.build_engine(prefix_caching=True)
     assert engine.scheduler.config.prefix_caching

@@ -13,7 +13,6 @@ import weakref
 import pytest
 from conftest import ScriptedBackend, StepClock, drain, make_req
 
-import inference_stub
 from batch.policies.policy import FCFSPolicy
 from inference_stub import Request
 from scheduler import (BackendError, DuplicateRequestError, InvalidRequestError, PromptTooLongError,
@@ -1036,7 +1035,7 @@ def test_endurance_5000_requests_1000_users_all_complete_nothing_retained():
     assert {r.request_id for r in res.finished} == {r.request_id for r in reqs}
     assert all(r.completed_at is not None and r.generated for r in res.finished)
     assert s.metrics()["requests_finished"] == 5000
-    assert s.policy._counter == {}  # noqa: SLF001 - VTC forgot all 1000 users once none was active
+    assert s.policy._counter == {}  # VTC forgot all 1000 users once none was active
     assert_idle_and_empty(s)
 
 

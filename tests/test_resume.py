@@ -206,7 +206,7 @@ def test_the_reservation_holder_goes_before_the_trials_and_takes_room():
 
 
 def test_the_resume_search_of_bench_fairness_runs():
-    from bench_fairness import large_prompt_wait_ticks  # noqa: PLC0415
+    from bench_fairness import large_prompt_wait_ticks
     waits = [large_prompt_wait_ticks(seed, on, iso) for seed in range(3) for on in (True, False)
              for iso in (False, True)]
     assert all(isinstance(w, int) and w >= 0 for w in waits)

@@ -626,7 +626,7 @@ def test_a_failed_sync_keeps_the_deltas_and_lifts_for_the_next():
 @pytest.mark.parametrize("extra", [["--max-running", "4"], ["--max-waiting", "10"],
                                    ["--served-model-name", "m"], ["--max-user-labels", "5"], ["--log-level", "debug"]])
 def test_serve_replicas_refuses_the_options_it_would_ignore(extra, capsys):
-    from batch.server import serve  # noqa: PLC0415
+    from batch.server import serve
 
     with pytest.raises(SystemExit) as e:
         serve.main(["--replicas", "2", *extra])
@@ -642,7 +642,7 @@ def test_serve_replicas_refuses_the_options_it_would_ignore(extra, capsys):
 def test_serve_replicas_refuses_identity_options_that_conflict_with_api_keys(tmp_path, capsys, extra, words):
     # the replicas take the config's api_keys (authentication, as the single server); with keys the
     # key's user is the identity, so a second source of identity is refused before Ray starts
-    from batch.server import serve  # noqa: PLC0415
+    from batch.server import serve
 
     cfg = tmp_path / "users.json"
     cfg.write_text('{"weights": {"alice": 2}, "api_keys": {"k1": "alice"}}')
@@ -653,7 +653,7 @@ def test_serve_replicas_refuses_identity_options_that_conflict_with_api_keys(tmp
 
 
 def test_serve_replicas_refuses_metrics_auth_without_keys(capsys):
-    from batch.server import serve  # noqa: PLC0415
+    from batch.server import serve
 
     with pytest.raises(SystemExit) as e:
         serve.main(["--replicas", "2", "--metrics-auth"])

@@ -539,7 +539,7 @@ def test_a_planted_ledger_bug_in_the_served_scheduler_is_caught(monkeypatch, pro
     subset off, the suite's full checks stop the engine with an ``InvariantViolation`` (503); with
     it on (``batch-llm serve``'s default) the plan never reaches the backend, the request fails
     (500, the retry policy) and ``/metrics`` counts the violation, and the server goes on."""
-    from batch.core import step  # noqa: PLC0415
+    from batch.core import step
 
     real = step.commit
 

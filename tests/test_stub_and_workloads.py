@@ -29,7 +29,7 @@ def test_seeded_tokens_do_not_depend_on_batch_mates():
         others = [make_req(f"x{i}") for i in range(5)]
         a2.generated.append(g2.forward(others + [a2])[-1])
     assert a1.generated == a2.generated
-    assert SimulatedGPU(seed=4, clock=VirtualClock()).forward([make_req("a", max_tokens=50)]) != [] 
+    assert SimulatedGPU(seed=4, clock=VirtualClock()).forward([make_req("a", max_tokens=50)]) != []
 
 
 def test_stub_rule_forces_eos_at_max_tokens_minus_one_and_probability_parameter():

@@ -61,7 +61,7 @@ def test_cli_prints_property_bound_result_and_time(capsys):
 def test_a_counterexample_program_is_python_that_replays(capsys):
     trace = verify.Trace({"kv_cap_blocks": 3, "block_tokens": 2, "prefill_chunk_tokens": 2, "token_budget_tokens": 4,
                           "max_running": 256}, [(0, "r0", 3, 2, 0), (1, "r1", 1, 3, 2)], 6, ["demo"])
-    exec(compile(trace.program(), "<trace>", "exec"), {})
+    exec(compile(trace.program(), "<trace>", "exec"), {})  # noqa: S102 - the program under test
     printed = capsys.readouterr().out.splitlines()
     out = trace.replay()
     assert out["error"] is None and sorted(out["finished"]) == ["r0", "r1"]
@@ -414,7 +414,7 @@ def test_a_planted_lifecycle_row_gives_a_counterexample(monkeypatch, event, sour
     """A wrong row of the table the scheduler's machine is built from (done -> decoding, a
     preempted request back in the queue, finish before admission, abort that misses a state, no
     way back from preemption, a preempted request decoding without blocks) is named by ``lifecycle_table``."""
-    from spec import lifecycle as lc  # noqa: PLC0415
+    from spec import lifecycle as lc
     rows = tuple((e, sources, dest) if e == event else (e, s, d) for e, s, d in lc.TRANSITIONS)
     monkeypatch.setattr(lc, "TRANSITIONS", rows)
     out = run("lifecycle_table")["lifecycle_table"].outcome

@@ -116,7 +116,7 @@ BUGS = {
                             [vf.check_sit_out_bound, vf.check_no_starvation_holder]),
     "streak never counts": ("next_streak", lambda s, iso: 0, [vf.check_sit_out_bound, vf.check_no_starvation_holder]),
     # the ranking reaches Q + (K+1) L: one tick less has a counterexample
-    "holder bound one tick short": ("holder_wait_bound", lambda q, k, l: q + (k + 1) * l - 1,
+    "holder bound one tick short": ("holder_wait_bound", lambda q, k, w: q + (k + 1) * w - 1,
                                     [vf.check_no_starvation_holder]),
     "protection never ends": ("protected", lambda h, a, t, q: h,
                               [vf.check_no_starvation_holder, vf.check_anti_thrash]),

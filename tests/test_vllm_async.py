@@ -48,7 +48,7 @@ def build(cls, *, policy=None, blocks=vc.KV_BLOCKS, spec_tokens=0, pp=1, async_s
     ``blocks`` KV blocks of 16 tokens, ngram speculative decoding of ``spec_tokens`` drafts and
     pipeline parallelism of ``pp`` (vLLM's own config checks apply: it resolves the batch queue)."""
     v = vc._vllm()
-    from vllm.config import ParallelConfig, SpeculativeConfig  # noqa: PLC0415
+    from vllm.config import ParallelConfig, SpeculativeConfig
     if async_scheduling is None:
         async_scheduling = issubclass(cls, v.VAsyncScheduler)
     base = vc._vllm_config(vc.CHUNK_TOKENS)
@@ -202,7 +202,7 @@ class Engine:
 
 def _draft_ids(ids, n):
     """``n`` drafts for each of ``ids``, as the engine's ``post_step`` hands a synchronous scheduler."""
-    from vllm.v1.outputs import DraftTokenIds  # noqa: PLC0415
+    from vllm.v1.outputs import DraftTokenIds
     return DraftTokenIds(req_ids=ids, draft_token_ids=[[vc.VLLM_TOKEN] * n for _ in ids])
 
 

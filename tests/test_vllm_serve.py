@@ -38,8 +38,8 @@ def _needs_vllm():
 
 def tiny_model(path: Path) -> Path:
     """A one-layer Llama config with a 256-word tokenizer (``w3`` .. ``w255``), no weights."""
-    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
-    from transformers import LlamaConfig, PreTrainedTokenizerFast  # noqa: PLC0415
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
     LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2).save_pretrained(path)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
@@ -146,11 +146,11 @@ def test_vllms_engine_core_runs_the_async_class_with_its_batch_queue():
     the last one's output), the fake executor, async scheduling on: every request completes,
     and each user is charged exactly its prompt and output tokens."""
     v = vc._vllm()
-    from vllm.v1.engine import EngineCoreRequest  # noqa: PLC0415
-    from vllm.v1.engine.core import EngineCore  # noqa: PLC0415
-    from vllm_fake_executor import FakeExecutor  # noqa: PLC0415
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.core import EngineCore
+    from vllm_fake_executor import FakeExecutor
 
-    from batch.integrations import vllm as bv  # noqa: PLC0415
+    from batch.integrations import vllm as bv
     base = vc._vllm_config(vc.CHUNK_TOKENS)
     sc = v.SchedulerConfig(max_model_len=vc.VLLM_MAX_MODEL_LEN, is_encoder_decoder=False,
                            max_num_batched_tokens=256, long_prefill_token_threshold=64, enable_chunked_prefill=True,

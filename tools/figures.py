@@ -229,8 +229,9 @@ STEPS: tuple[Step, ...] = (
                                   "400", "--kv-cap-blocks", "2048", "--users", "5", "--clock", "virtual")),),
          _results("prefix-main-job")),
     Step("prefix-ab", (_py("bench/vllm_prefix_compare.py", "--ab-seeds", "10"),), _results("prefix-ab"), markdown=True),
+    # scripts/vllm_plugin_cpu.py loads bench/vllm_compare.py by its path (no import statement to follow).
     Step("vllm-plugin-cpu", (_py("scripts/vllm_plugin_cpu.py", "--repeats", "5", vllm=True),), _results("vllm-plugin-cpu"),
-         markdown=True),
+         markdown=True, inputs=("bench/vllm_compare.py",)),
     Step("load", (_py("bench/bench_load.py"),), _results("load")),
     Step("serve-ab", (
         _serve("--trust-user-field", "--ab-burst --ab-seeds 4,5,6,7,8"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain
-from typing import Callable, Sequence
+from typing import Sequence
 
 from batch.core.prefix_cache import freed_blocks, planned_hits
 from batch.core.state import Config, Plan, Seq, State

@@ -76,7 +76,7 @@ def user_of(request: Request) -> str:
 def _users_config(path: str | None):
     if not path:
         return None
-    from batch.server.serve import load_config  # noqa: PLC0415 (only when a file is named)
+    from batch.server.serve import load_config  # only when a file is named
     return load_config(path)
 
 

@@ -73,7 +73,7 @@ class SimReplica:
         """Service it granted ``user`` so far (synced or not), weighted tokens."""
         p = self.policy
         units = p.service_units.get(user, 0)
-        acc = p._unpublished.get(user)  # noqa: SLF001 - the same package's policy
+        acc = p._unpublished.get(user)  # the same package's policy
         if acc is not None:
             units += fr.charged_counter(0, fr.service_units(acc[0], acc[1], p.prompt_price, p.output_price),
                                         p.weight(user))
@@ -304,7 +304,7 @@ class LocalCluster:
         """user -> weighted tokens granted by all replicas (dead ones up to their death)."""
         out: dict[str, float] = {}
         for rep in self.replicas.values():
-            for u in set(rep.policy.service_units) | set(rep.policy._unpublished):  # noqa: SLF001
+            for u in set(rep.policy.service_units) | set(rep.policy._unpublished):
                 out[u] = out.get(u, 0.0) + rep.granted_tokens(u)
         return out
 

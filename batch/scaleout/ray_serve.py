@@ -429,7 +429,7 @@ class EngineReplica:
         def read() -> dict:
             p = self.policy
             granted = {u: v / fr.COUNTER_SCALE for u, v in p.service_units.items()}
-            for u, (pt, ot) in p._unpublished.items():  # noqa: SLF001 - the same package's policy
+            for u, (pt, ot) in p._unpublished.items():  # the same package's policy
                 granted[u] = granted.get(u, 0.0) + fr.service_units(pt, ot, p.prompt_price, p.output_price) / (
                     p.weight(u))
             return {"replica": self.replica_id, "granted": granted,
@@ -539,7 +539,7 @@ def _cancel_if_alive(response: Any, error: BaseException) -> None:
     if isinstance(error, ray.exceptions.ActorUnavailableError):
         try:
             response.cancel()
-        except Exception:  # noqa: BLE001 - best effort: the actor may be gone after all
+        except Exception:  # best effort: the actor may be gone after all
             log.debug("cancel after %r failed", error, exc_info=True)
 
 
@@ -608,7 +608,7 @@ def _serve_streaming_response() -> type:
     ``TaskCancelledError`` and logs a traceback per cut stream ("Future exception was never
     retrieved"). ``ended`` (sync) runs when the response ends, normally or by cancellation.
     """
-    from starlette.responses import StreamingResponse  # noqa: PLC0415
+    from starlette.responses import StreamingResponse
 
     class _Response(StreamingResponse):
         def __init__(self, content: Any, ended: Callable[[], None], **kwargs: Any) -> None:
@@ -718,7 +718,7 @@ class Ingress:
                  kv_cap_blocks: int | None = None, identities: Identities | None = None,
                  metrics_need_key: bool | None = None, counters: Any = None,
                  auth_failure_delay_s: float = 0.1) -> None:
-        from batch.server.tokenizer import WordTokenizer  # noqa: PLC0415
+        from batch.server.tokenizer import WordTokenizer
 
         if not metrics_period_s > 0:
             raise ValueError(f"metrics_period_s must be > 0 seconds, got {metrics_period_s!r}")
@@ -794,14 +794,14 @@ class Ingress:
         shape (Serve's own answer to an exception is plain text)."""
         try:
             return await self._route(request)
-        except Exception as e:  # noqa: BLE001 - a bug: still OpenAI's shape, with its traceback logged
+        except Exception as e:  # a bug: still OpenAI's shape, with its traceback logged
             if isinstance(e, (ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
                 raise
             log.exception("%s %s: unexpected error", request.method, request.url.path)
             return self._reject(500, f"internal server error: {type(e).__name__}", type="server_error")
 
     async def _route(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse, Response  # noqa: PLC0415
+        from starlette.responses import JSONResponse, Response
 
         path = request.url.path.rstrip("/")
         if request.method == "GET" and path == "/health":
@@ -867,7 +867,7 @@ class Ingress:
     async def metrics_text(self) -> bytes:
         """The ``/metrics`` text: the replicas' latest snapshots (``replica`` label) and the
         ingress's own families (``batch.scaleout.metrics.render_replicas``)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         snapshots = {}
         if self.metrics_board is not None:

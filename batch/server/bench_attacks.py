@@ -49,7 +49,7 @@ PROBE_TIMEOUT_S = 5.0
 
 def _raise_own_fd_limit() -> None:
     try:
-        import resource  # noqa: PLC0415 - POSIX only
+        import resource  # POSIX only
     except ImportError:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

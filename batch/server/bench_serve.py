@@ -355,7 +355,7 @@ def poisson_jobs(n: int, rate: float, users: int, seed: int, prompt_len: tuple[i
 def trace_jobs(trace: str, limit: int | None, users: int, seed: int, time_scale: float,
                trace_dir: str | None) -> list[Job]:
     """Jobs from a normalised trace (``batch.sim.traces.load_trace``): its arrivals and lengths."""
-    from batch.sim import traces  # noqa: PLC0415
+    from batch.sim import traces
 
     reqs = traces.load_trace(trace, limit=limit, time_scale=time_scale, users=users, seed=seed, trace_dir=trace_dir)
     return [Job(r.user_id, len(r.prompt), r.max_tokens, r.submitted_at, None, f"{r.request_id}") for r in reqs]
@@ -365,7 +365,7 @@ def ab_jobs(seed: int, with_a: bool, window_s: float | None) -> list[Job]:
     """The A/B burst of ``workloads.ab_burst(seed=seed)`` (100 of A, 5 of B, same lengths):
     all at t = 0, or at their offsets within ``window_s``; only B's without A. User names carry
     the seed and the phase, so no phase inherits another's fair-share counters."""
-    from batch.sim.workloads import ab_burst  # noqa: PLC0415
+    from batch.sim.workloads import ab_burst
 
     phase = "with-A" if with_a else "alone"
     out = []
@@ -931,7 +931,7 @@ def _stall_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) ->
 
 def _attack_main(p: argparse.ArgumentParser, a: argparse.Namespace, base: str) -> int:
     """``--attack``: each attack in turn (``batch.server.bench_attacks``); three lines each, or JSON."""
-    from batch.server import bench_attacks  # noqa: PLC0415
+    from batch.server import bench_attacks
 
     attacks = a.attack.split(",")
     bad = [x for x in attacks if x not in bench_attacks.ATTACKS]

@@ -95,7 +95,7 @@ class HttpLimits:
 def open_files_limit() -> int | None:
     """The process's soft limit on open files (``None`` where there is no such limit to read)."""
     try:
-        import resource  # noqa: PLC0415 - POSIX only
+        import resource  # POSIX only
     except ImportError:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -107,7 +107,7 @@ def raise_open_files_limit() -> tuple[int | None, int | None]:
     connection holds a descriptor, and the usual soft limit of 1,024 is below what a few idle
     sockets can take). Returns ``(before, after)`` (``None`` where there is no such limit)."""
     try:
-        import resource  # noqa: PLC0415 - POSIX only
+        import resource  # POSIX only
     except ImportError:
         return None, None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -159,27 +159,27 @@ class ConnectionGuard:
         """A subclass of ``base`` (default: the HTTP protocol uvicorn picks, httptools when
         installed, else h11) enforcing this guard; give it to ``uvicorn.Config(http=...)``."""
         if base is None:
-            from uvicorn.protocols.http.auto import AutoHTTPProtocol  # noqa: PLC0415
+            from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
             base = AutoHTTPProtocol
         try:
-            from uvicorn.protocols.http.h11_impl import H11Protocol  # noqa: PLC0415
+            from uvicorn.protocols.http.h11_impl import H11Protocol
         except ImportError:  # pragma: no cover - h11 is a dependency of uvicorn
-            H11Protocol = None  # noqa: N806
+            H11Protocol = None
         mixin = _H11Guard if H11Protocol is not None and issubclass(base, H11Protocol) else _HttpToolsGuard
         return type(f"Guarded{base.__name__}", (mixin, base), {"_guard": self})
 
     def uvicorn_config(self, app: Any, base: type | None = None, **kwargs: Any) -> Any:
         """``uvicorn.Config(app, **kwargs)`` with this guard's protocol (over ``base``, as
         ``protocol_class``), keep-alive timeout and h11 head limit."""
-        import uvicorn  # noqa: PLC0415
+        import uvicorn
 
         return uvicorn.Config(app, http=self.protocol_class(base), timeout_keep_alive=self.limits.timeout_keep_alive,
                               h11_max_incomplete_event_size=self.limits.h11_max_incomplete_event_size, **kwargs)
 
     def _evict_one(self) -> bool:
         """Close the connection idle longest; ``False`` when none is idle."""
-        for proto in self.idle:
+        for proto in self.idle:  # noqa: B007 - the first (idle longest), used below
             break
         else:
             return False
@@ -195,7 +195,7 @@ class ConnectionGuard:
 
     def collect(self) -> Iterator[Any]:
         """The guard's metric families (``prometheus_client`` collector protocol)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         yield GaugeMetricFamily("batch:http_connections", "HTTP connections open.", self.open)
         yield GaugeMetricFamily("batch:http_connections_limit", "Most HTTP connections open at once "
@@ -362,7 +362,7 @@ class _H11Guard(_GuardBase):
     """h11: a head is read while the client's side is ``IDLE`` (no request event yet)."""
 
     def _in_head(self) -> bool:
-        import h11  # noqa: PLC0415
+        import h11
 
         return self.conn.their_state is h11.IDLE  # type: ignore[attr-defined]
 

@@ -34,7 +34,7 @@ of the tick that produced it, a request's start the moment the HTTP handler queu
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, Counter, Histogram, Summary, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

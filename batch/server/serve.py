@@ -152,14 +152,14 @@ def build_engine(*, backend: str = "sim", model: str | None = None, time_scale: 
         return Engine(sched), WordTokenizer(sched.config.eos_token_id), "batch-sim"
     if backend != "model":
         raise ValueError(f"backend must be 'sim' or 'model', got {backend!r}")
-    from batch.backends import model_backend  # noqa: PLC0415 - the optional 'model' extra
+    from batch.backends import model_backend  # the optional 'model' extra
 
     mb = model_backend.from_cli(path=model, device=device, dtype=dtype,
                                 num_blocks=kv_cap_blocks or inference_stub.MAX_KV_BLOCKS)
     sched = mb.make_scheduler(**kw)
     if model is None:
         return Engine(sched), ByteTokenizer(mb.eos_token_id), "tiny-llama"
-    from batch.server.tokenizer import HFTokenizer  # noqa: PLC0415
+    from batch.server.tokenizer import HFTokenizer
 
     return Engine(sched), HFTokenizer(model), Path(model).name
 
@@ -212,7 +212,7 @@ def _serve_replicas(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         p.error(str(e))
     try:
-        from batch.scaleout.ray_serve import serve_http  # noqa: PLC0415 - the optional 'scaleout' extra
+        from batch.scaleout.ray_serve import serve_http  # the optional 'scaleout' extra
     except ImportError as e:
         print(f"batch-llm serve --replicas needs the 'scaleout' extra (pip install -e '.[scaleout]'): {e}",
               file=sys.stderr)
@@ -325,10 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.replicas > 1:
         return _serve_replicas(p, a)
     try:
-        import uvicorn  # noqa: PLC0415 - the optional 'serve' extra
+        import uvicorn  # noqa: F401 - the optional 'serve' extra: only checked for here
 
-        from batch.server.app import ServerConfig, create_app  # noqa: PLC0415
-        from batch.server.graceful import GracefulServer  # noqa: PLC0415
+        from batch.server.app import ServerConfig, create_app
+        from batch.server.graceful import GracefulServer
     except ImportError as e:
         print(f"batch-llm serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
         return 2

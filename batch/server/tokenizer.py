@@ -106,7 +106,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer  # noqa: PLC0415 - the optional 'model' extra
+        from transformers import AutoTokenizer  # the optional 'model' extra
 
         self.tok: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.encode_off_loop = True  # the server runs encode in a worker thread (it may be slow)

@@ -103,11 +103,11 @@ class StaticBatchScheduler(ReservationScheduler):
             return list(tokens[:len(batch)])  # padding rows' tokens are discarded
         return tokens  # malformed: let Scheduler's check raise BackendError
 
-    def schedule(self):  # noqa: D102 - Scheduler.schedule with admission only into an empty batch
+    def schedule(self):  # Scheduler.schedule with admission only into an empty batch
         cap = min(self.config.max_running, self.batch_size) if not self.running else len(self.running)
         return step.schedule(self.state, self.policy, dataclasses.replace(self.config, max_running=cap))
 
-    def update_from_output(self, plan, tokens, **kwargs):  # noqa: D102 - plus the padding bookkeeping
+    def update_from_output(self, plan, tokens, **kwargs):  # plus the padding bookkeeping
         finished = super().update_from_output(plan, tokens, **kwargs)
         if not self.running:
             self._padding = []

@@ -147,7 +147,7 @@ def run_workload(
     result = RunResult(scheduler=sched, finished=[])
     bar = None
     if progress:
-        from tqdm import tqdm  # noqa: PLC0415
+        from tqdm import tqdm
 
         bar = tqdm(total=len(pending), unit="req", file=sys.stderr, mininterval=0.5, delay=PROGRESS_DELAY_S)
     wall0 = time.perf_counter()
