@@ -208,6 +208,18 @@ def quantum_elapsed(admit_tick: Int, tick: Int, quantum_ticks: Int) -> Bool:
     return tick - admit_tick >= quantum_ticks
 
 
+def past_high_water(progress_tick: Int, admit_tick: Int) -> Bool:
+    """A resident request has computed past its prompt high-water mark (``prompt_charged_tokens``,
+    the most prompt tokens it ever computed) since its admission at ``admit_tick``:
+    ``progress_tick`` is the tick it first did (``Seq.progress_tick``; an earlier tick while it
+    is still recomputing what a preemption took). A fresh request is past it in its admission
+    tick. Room by pressure counts its quantum from ``progress_tick``, and neither pressure nor a
+    light user's room takes a request that is not past it: without it a request whose recompute
+    outlasts the quantum was taken again before it made new progress, over and over (the Mooncake
+    conversation trace, 400 rows under a 2,048-block cap: ``bench/long_prompts.py``)."""
+    return progress_tick >= admit_tick
+
+
 def not_a_holder(victim_was_holder: Bool) -> Bool:
     """Room (a later reservation holder's, or another user's by pressure) is taken only from
     requests not admitted as a holder themselves (``Seq.holder``): a request that got in as a

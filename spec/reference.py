@@ -66,6 +66,7 @@ class Req:
     started: bool = False  # has a first token
     order: int = -1  # order_no: the place in the admission order (arrival, or a new one once requeued behind)
     holder: bool = False  # admitted as the reservation holder while no request was protected
+    progress: int = -1  # progress_tick: the tick it first computed past ``charged`` since its admission
 
     @property
     def n(self) -> int:
@@ -151,7 +152,7 @@ def req_of(s: Any) -> Req:
     return Req(s, s.user_id, s.arrival_no, s.num_prompt_tokens, s.req.max_tokens, len(s.req.generated),
                s.num_computed_tokens, len(s.block_table), s.num_preemptions, s.state, s.pinned, s.admit_no,
                s.admit_tick, s.blocked_ticks, s.prompt_charged_tokens, s.req.started_at is not None, s.order_no,
-               s.holder)
+               s.holder, s.progress_tick)
 
 
 def is_protected(snap: Snapshot, r: Req) -> bool:
@@ -365,9 +366,10 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
     ones would not do. Allowed: requests admitted before this tick (``may_preempt``), neither
     pinned nor protected, and of those, for the holder any not admitted as a holder
     (``not_a_holder``); for a light user's request those of other users over their weighted
-    share of the resident requests (``within_share`` at 1/1, with ``q`` counted admitted); for
-    another request, when the policy keeps shares (VTC), those of other users, not admitted as a
-    holder (``not_a_holder``), resident ``quantum_ticks`` (``quantum_elapsed``) whose users it
+    share of the resident requests (``within_share`` at 1/1, with ``q`` counted admitted) past
+    their prompt high-water mark (``past_high_water``); for another request, when the policy
+    keeps shares (VTC), those of other users, not admitted as a holder (``not_a_holder``), past
+    their high-water mark ``quantum_ticks`` ticks (``quantum_elapsed`` from it) whose users it
     ``may_take`` from, with the resident counts as the victims are chosen (each pick is among those it may take from
     then). ``light`` is false for every user without isolation."""
     c = snap.cfg
@@ -385,7 +387,8 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
             users = resident + Counter([q.user])
             total, total_w = sum(users.values()), sum(snap.weight(u) for u in users)
             over = {u for u, n in users.items() if not fr.within_share(n, snap.weight(u), total, total_w, 1, 1)}
-            cands = [r for r in base if r.user in over and r.user != q.user]
+            cands = [r for r in base if r.user in over and r.user != q.user
+                     and fr.past_high_water(r.progress, r.admit_tick)]
         if sum(freed(v) for v in cands) + free < need:
             return None
         victims: list[Req] = []
@@ -398,7 +401,7 @@ def room_victims(snap: Snapshot, q: Req, holder: bool, light: bool, need: int, f
     if snap.policy != "vtc":  # FCFS and round robin keep no shares among resident requests
         return None
     cands = [r for r in base if r.user != q.user and fr.not_a_holder(r.holder)
-             and fr.quantum_elapsed(r.admit_tick, snap.tick, c.Q)]
+             and fr.past_high_water(r.progress, r.admit_tick) and fr.quantum_elapsed(r.progress, snap.tick, c.Q)]
     victims = []
     while not rules.can_allocate(free, need):
         mine = snap.pressure(q.user, resident[q.user] + 1)
@@ -484,6 +487,8 @@ def reference_apply(snap: Snapshot, plan: RefPlan, tokens: Sequence[int]) -> Aft
                     turns.append(r.user)
             reserved = None if reserved is key else reserved
         r = replace(r, h=r.h + b)
+        if r.progress < r.admit_tick and r.nc + k > r.charged:
+            r = replace(r, progress=snap.tick)
         if r.nc < r.P:
             charges.setdefault(r.user, [0, 0])[0] += fr.new_prompt_tokens(r.nc, k, r.P, r.charged)
             r = replace(r, charged=fr.prompt_high_water(r.charged, r.nc, k, r.P))

@@ -409,18 +409,26 @@ def check_no_starvation_holder(opts: Options) -> Outcome:
           "a <= t < a + Q, so no victim of any preemption then (the victims exclude it), and not from a + Q on; a "
           "new holder becomes protected only when the previous protection has ended (at most one at a time); two "
           "room-by-pressure preemptions of one request are at least Q + 1 ticks apart; a request admitted as a holder is "
-          "no victim of a later holder's room nor of room by pressure (not_a_holder)")
+          "no victim of a later holder's room nor of room by pressure (not_a_holder); a request not yet past its "
+          "prompt high-water mark since its admission is no victim of room by pressure nor of a light user's room, "
+          "and one past it at tick p is no room-by-pressure victim before p + Q (past_high_water)")
 def check_anti_thrash(opts: Options) -> Outcome:
     """Rule-level lemmas over z3 integers (``quantum_elapsed``, ``protected``, ``may_preempt``)."""
     z3 = _z3()
     Q, a, t, t1, a2, t2, npre, maxp = z3.Ints("quantum_Q admit_tick tick tick_1 admit_tick_2 tick_2 "
                                               "num_preemptions max_preemptions")
+    p, p1, p2 = z3.Ints("progress_tick progress_tick_1 progress_tick_2")  # any ticks: the rule relates them
 
-    def pressure_victim(adm: Any, tick: Any) -> Any:
+    def pressure_victim(adm: Any, tick: Any, prog: Any = p) -> Any:
         """``step._room``'s candidates for another user's room: may be preempted, admitted before the
-        tick, not pinned, not admitted as a holder, resident Q iterations."""
+        tick, not pinned, not admitted as a holder, past its high-water mark Q iterations."""
         return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.not_a_holder(was_holder),
-                   fr.quantum_elapsed(adm, tick, Q))
+                   fr.past_high_water(prog, adm), fr.quantum_elapsed(prog, tick, Q))
+
+    def light_victim(adm: Any, tick: Any) -> Any:
+        """``step._room``'s candidates for a light user's room (the share test aside): may be
+        preempted, not pinned, past its high-water mark."""
+        return And(fr.may_preempt(npre, maxp, adm, tick), Not(fr.pinned(npre, maxp)), fr.past_high_water(p, adm))
 
     was_holder = z3.Bool("admitted_as_holder")
 
@@ -440,7 +448,11 @@ def check_anti_thrash(opts: Options) -> Outcome:
              ("a new protection starts only after the previous one ended",
               Implies(And(a <= t, Not(fr.protected(True, a, t, Q))), t >= a + Q)),
              ("two room-by-pressure preemptions of one request are > Q ticks apart",
-              Implies(And(pressure_victim(a, t1), a2 >= t1 + 1, pressure_victim(a2, t2)), t2 - t1 >= Q + 1)),
+              Implies(And(pressure_victim(a, t1, p1), a2 >= t1 + 1, pressure_victim(a2, t2, p2)), t2 - t1 >= Q + 1)),
+             ("not past its high-water mark: no victim of room by pressure nor of a light user's room",
+              Implies(p < a, Not(Or(pressure_victim(a, t), light_victim(a, t))))),
+             ("past it at tick p: no room-by-pressure victim before p + Q",
+              Implies(t < p + Q, Not(pressure_victim(a, t)))),
              ("a request admitted as a holder is no victim of a later holder's room nor of room by pressure",
               Implies(was_holder, Not(Or(holder_victim(a, t), pressure_victim(a, t)))))]
     status, info = _prove(pre, goals, opts.timeout_s)

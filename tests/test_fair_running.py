@@ -243,3 +243,51 @@ def test_two_aged_requests_whose_prefills_outlast_the_quantum_both_finish():
                                                              hold_ticks=1), eos_probability=0.0, max_ticks=2_000)
     assert sorted(r.request_id for r in run.finished) == ["a", "b"]
     assert run.scheduler.metrics()["preemptions"] <= 2
+
+
+# ---------------------------------------------------------------- no fairness victim while it recomputes
+
+
+class _RecomputeSpy(Scheduler):
+    """Records each victim of a plan that admitted (room, not growth): ``(preemptions so far,
+    past its high-water mark, ticks since it passed it)``; and the ticks on which a resident
+    readmitted request was still recomputing while room was taken."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.victims: list[tuple[int, bool, int]] = []
+        self.spared = 0
+
+    def update_from_output(self, plan, tokens, **kw):
+        st = self.state
+        if plan.preempted and any(e.admitted for e in plan.batch):
+            for q in plan.preempted:
+                past = q.progress_tick >= q.admit_tick
+                self.victims.append((q.num_preemptions, past, st.tick_no - q.progress_tick if past else -1))
+            gone = set(plan.preempted)
+            self.spared += sum(q.progress_tick < q.admit_tick and q.num_preemptions > 0
+                               for q in st.running if q not in gone)
+        return super().update_from_output(plan, tokens, **kw)
+
+
+def test_a_readmitted_request_is_no_victim_of_another_users_room_until_it_is_past_its_high_water_mark():
+    """Random small-cache cases without aging (so no reservation holder takes room: every room
+    preemption is by pressure or for a light user's request), a quantum of 8: each victim had
+    computed past its prompt high-water mark since its admission (``past_high_water``), and a
+    pressure victim (not a light user's) ``quantum_ticks`` before being taken. Readmitted
+    requests were taken again, and others still recomputing were passed over, so the rule had
+    something to decide. Before the rule the quantum counted from admission: a request whose
+    recompute outlasted it was taken again before it made new progress (the 400-row Mooncake run
+    of step ``prefix-main-job``)."""
+    victims, spared = [], 0
+    for case in range(30):
+        kv, reqs = _small_cache_case(case)
+        res = simulate.run_workload(reqs, make_scheduler=functools.partial(_RecomputeSpy, aging_ticks=10 ** 9,
+                                                                           quantum_ticks=8),
+                                    kv_cap_blocks=kv, eos_probability=0.0, record_itl=False, max_ticks=10 ** 6)
+        assert len(res.finished) == len(reqs), case
+        victims += res.scheduler.victims
+        spared += res.scheduler.spared
+    assert victims and all(past for _, past, _ in victims)
+    assert any(n > 0 for n, _, _ in victims)  # readmitted requests were taken again, once past it
+    assert spared > 0

@@ -225,8 +225,12 @@ STEPS: tuple[Step, ...] = (
     Step("run-gpu", (_py("-m", "batch", "--gpu", "h100-llama3-8b", "--trace", "mooncake_conversation_trace.jsonl",
                          "--limit", "400", "--time-scale", "4"),), _results("run-gpu")),
     # docs/prefix-caching.md: the main-job command, and the A/B burst with a shared prompt.
+    # The same rows under FCFS: what the fair policy's preemptions cost on long prompts (docs/fairness.md).
     Step("prefix-main-job", (Run((BATCH, "--trace", "mooncake_conversation_trace.jsonl", "--limit",
-                                  "400", "--kv-cap-blocks", "2048", "--users", "5", "--clock", "virtual")),),
+                                  "400", "--kv-cap-blocks", "2048", "--users", "5", "--clock", "virtual")),
+                             Run((BATCH, "--trace", "mooncake_conversation_trace.jsonl", "--limit",
+                                  "400", "--kv-cap-blocks", "2048", "--users", "5", "--clock", "virtual",
+                                  "--policy", "fcfs"))),
          _results("prefix-main-job")),
     Step("prefix-ab", (_py("bench/vllm_prefix_compare.py", "--ab-seeds", "10"),), _results("prefix-ab"), markdown=True),
     # scripts/vllm_plugin_cpu.py loads bench/vllm_compare.py by its path (no import statement to follow).

@@ -162,7 +162,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- issue 38's rules (fair while running): room by pressure, the quantum, the protected holder, the hold,
     #      light users first, requeue behind, the pressure victim rule
     M("room_quantum_ignored", "room by pressure takes requests resident fewer than quantum_ticks iterations",
-      "batch/core/step.py", "\n                 and fr.quantum_elapsed(q.admit_tick, st.tick_no, cfg.quantum_ticks)]", "]"),
+      "batch/core/step.py", "\n                 and fr.quantum_elapsed(q.progress_tick, st.tick_no, cfg.quantum_ticks)]", "]"),
     M("room_may_take_reversed", "room by pressure: may_take's arguments swapped (the taker must be over the victim's "
       "pressure, not at or under it)", "batch/core/step.py",
       "fr.may_take(mine, policy.pressure(q.user_id, count[q.user_id] - 1))",
@@ -567,7 +567,8 @@ HELD_OUT: tuple[Mutant, ...] = (
     M("h2_room_any_victim",
            "making room for a light user's head preempts any non-pinned request, not only those of users over their fair share",
            "batch/core/step.py",
-           "        cands = [q for q in cands if q.user_id in over and q.user_id != u]  # never its own user's: churn\n",
+           "        cands = [q for q in cands if q.user_id in over and q.user_id != u  # never its own user's: churn\n"
+           "                 and fr.past_high_water(q.progress_tick, q.admit_tick)]\n",
            ""),
     M("h2_sit_out_off_by_one",
            "isolated iterations may run K+1 in a row (streak < K became streak <= K)",

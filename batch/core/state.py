@@ -32,6 +32,7 @@ class Seq:
     prompt_charged_tokens: int = 0  # most prompt tokens ever computed: a prompt is charged once
     admit_no: int = -1  # admission sequence number (the victim order's tie-break)
     admit_tick: int = -1
+    progress_tick: int = -1  # the tick it first computed past prompt_charged_tokens since admit_tick (``fr.past_high_water``)
     blocked_ticks: int = 0  # ticks as the blocked head of the admission order (aging)
     pinned: bool = False  # admitted with its worst-case blocks after max_preemptions; never a victim
     holder: bool = False  # admitted as the reservation holder: protected for the quantum (``fr.protected``)

@@ -218,10 +218,11 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
     and was not admitted as a holder itself (``not_a_holder``).
     A light user's request: requests of other users over their weighted share of the resident
     requests as if ``head`` joined (taking its own user's request moves no share: two of one
-    light user's requests took each other's room thousands of times on the Mooncake trace).
+    light user's requests took each other's room thousands of times on the Mooncake trace),
+    past their prompt high-water mark (``past_high_water``).
     Another request, when the policy keeps shares (``Policy.pressure``): requests not admitted
-    as a holder (``not_a_holder``) resident ``quantum_ticks`` iterations of users it
-    ``may_take`` from. With prefix caching the free blocks ``head`` takes are counted with the victims chosen so far: a cached
+    as a holder (``not_a_holder``), past their high-water mark ``quantum_ticks`` iterations
+    (``quantum_elapsed`` from ``progress_tick``), of users it ``may_take`` from. With prefix caching the free blocks ``head`` takes are counted with the victims chosen so far: a cached
     block it hits that only a victim held is freed by the victim and taken again by the hit."""
     st = d.st
 
@@ -237,14 +238,16 @@ def _room(d: _Draft, policy: Policy, cfg: Config, head: Seq, need: int, light: _
         count = Counter(q.user_id for q in chain(d.live, d.taken, (head,)))
         total, total_w = sum(count.values()), sum(policy.weight(v) for v in count)
         over = {v for v, c in count.items() if not fr.within_share(c, policy.weight(v), total, total_w, 1, 1)}
-        cands = [q for q in cands if q.user_id in over and q.user_id != u]  # never its own user's: churn
+        cands = [q for q in cands if q.user_id in over and q.user_id != u  # never its own user's: churn
+                 and fr.past_high_water(q.progress_tick, q.admit_tick)]
     else:
         if policy.pressure(u, 0) is None:
             return None
         count = Counter(q.user_id for q in chain(d.live, d.taken))
         mine = policy.pressure(u, count[u] + 1)
         cands = [q for q in cands if q.user_id != u and fr.not_a_holder(q.holder)
-                 and fr.quantum_elapsed(q.admit_tick, st.tick_no, cfg.quantum_ticks)]
+                 and fr.past_high_water(q.progress_tick, q.admit_tick)
+                 and fr.quantum_elapsed(q.progress_tick, st.tick_no, cfg.quantum_ticks)]
         victims: list[Seq] = []
         free = d.free
         while not rules.can_allocate(free, cost(victims)):
@@ -356,6 +359,8 @@ def apply(st: State, policy: Policy, cfg: Config, plan: Plan, tokens: Sequence[i
         nc, P, req = s.num_computed_tokens, s.num_prompt_tokens, s.req
         gen = req.generated
         n = P + len(gen)
+        if s.progress_tick < s.admit_tick and nc + k > s.prompt_charged_tokens:  # past_high_water from now
+            s.progress_tick = st.tick_no
         if nc < P:
             part = new_prompt(nc, k, P, s.prompt_charged_tokens)
             if part:
