@@ -388,7 +388,8 @@ class InvariantChecker:
     A tick the reference does not check is counted by reason in ``skips``: ``policy`` (a policy
     it does not model), ``subclass`` (a scheduler subclass that plans otherwise,
     ``reference_models = False``), ``prefix_caching`` (hits and shared blocks are not modelled;
-    the pool and the blocks' content are checked every tick by ``check_state``), ``outside`` (a
+    the pool and the blocks' content are checked every tick by ``check_state`` and
+    ``block_holds_prefix``, the cache's bookkeeping by ``prefix_cache_reference``), ``outside`` (a
     request submitted or aborted during ``forward``, by another thread or ``forward`` itself: not
     one tick alone), ``requests`` (over ``max_requests``, when one is given). ``stats()`` gives
     these and the trace validator's counts (``Scheduler.check_stats()``).
