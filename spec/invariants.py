@@ -381,14 +381,22 @@ class InvariantChecker:
       (``spec.reference.reference_apply``): each request, the queue, VTC's counters and floor,
       the reservation, the isolation streak, and the timestamps and counts of the metrics.
 
+    With prefix caching, ``prefix_cache_reference`` (``spec.prefix_reference``): the cache's
+    bookkeeping against the checker's own model of the rules (which blocks are cached, which is
+    evicted, each admission's hits), around every tick; off when ``prefix_reference`` is False.
+
     A tick the reference does not check is counted by reason in ``skips``: ``policy`` (a policy
     it does not model), ``subclass`` (a scheduler subclass that plans otherwise,
     ``reference_models = False``), ``prefix_caching`` (hits and shared blocks are not modelled;
-    the pool and the blocks' content are checked every tick by ``check_state``), ``outside`` (a
+    the pool and the blocks' content are checked every tick by ``check_state`` and
+    ``block_holds_prefix``, the cache's bookkeeping by ``prefix_cache_reference``), ``outside`` (a
     request submitted or aborted during ``forward``, by another thread or ``forward`` itself: not
     one tick alone), ``requests`` (over ``max_requests``, when one is given). ``stats()`` gives
     these and the trace validator's counts (``Scheduler.check_stats()``).
     """
+
+    #: Check the prefix cache's bookkeeping (``spec.prefix_reference``) with prefix caching.
+    prefix_reference = True
 
     def __init__(self, max_requests: int | None = None) -> None:
         self.ticks = 0
@@ -408,6 +416,7 @@ class InvariantChecker:
         self._kv: dict[int, tuple[Any, tuple[int, ...]]] = {}
         self._chains: dict[Any, list[int]] = {}  # record -> its prefix chain, memoised (tokens only grow)
         self._writes: list[tuple[Any, list[int], int, int]] = []  # (record, table, start, end) at forward
+        self._prefix: Any = None  # spec.prefix_reference.PrefixCacheModel, with prefix caching
         from spec.refinement import TraceValidator  # spec.refinement imports this module
 
         self.validator = TraceValidator()
@@ -422,8 +431,11 @@ class InvariantChecker:
         "trace_skipped": {reason: n}}``: ticks checked, and the ticks each of the two tick
         checks (``spec.reference``, ``spec.refinement``) did not validate, by reason."""
         v = self.validator
-        return {"ticks": self.ticks, "reference_checked": self.checked, "reference_skipped": dict(self.skips),
-                "trace_checked": v.checked, "trace_skipped": dict(v.skips)}
+        out = {"ticks": self.ticks, "reference_checked": self.checked, "reference_skipped": dict(self.skips),
+               "trace_checked": v.checked, "trace_skipped": dict(v.skips)}
+        if self._prefix is not None:  # with prefix caching: ticks prefix_cache_reference checked
+            out["prefix_cache_checked"] = self._prefix.ticks
+        return out
 
     def before_tick(self, sched: Any) -> None:
         """At the start of every tick (before ``schedule()``): the snapshots, and the policy's
@@ -451,6 +463,12 @@ class InvariantChecker:
             p.victim = victim
 
         self.validator.before_tick(sched)
+        if sched.config.prefix_caching and self.prefix_reference:
+            if self._prefix is None:
+                from spec.prefix_reference import PrefixCacheModel
+
+                self._prefix = PrefixCacheModel(sched.config.kv_cap_blocks, sched.config.block_tokens)
+            self._prefix.before_tick(sched, self._failer(sched))
         why = None
         if not getattr(type(sched), "reference_models", True):  # a subclass that plans otherwise opts out
             why = "subclass"
@@ -491,6 +509,8 @@ class InvariantChecker:
         if not plan_within_free(granted, st.pool.num_free, freed):
             raise InvariantViolation("plan_within_free", f"plan grants {granted} blocks; {st.pool.num_free} free, "
                                      f"its victims free {freed}", _summary(sched, self.ticks))
+        if self._prefix is not None and sched.config.prefix_caching:
+            self._prefix.before_commit(sched, plan, self._failer(sched))
         ref = self._ref
         if ref is None:
             return
@@ -508,6 +528,13 @@ class InvariantChecker:
         writes, ``(record, block table, first position, end)``, applied when the tick completes."""
         self._writes = [(s, list(s.block_table), s.num_computed_tokens, s.num_computed_tokens + k)
                         for s, k in zip(plan.seqs, plan.num_new_tokens)]
+        if self._prefix is not None and sched.config.prefix_caching:
+            self._prefix.after_commit(sched, plan, self._failer(sched))
+
+    def _failer(self, sched: Any) -> Callable[[str, str], None]:
+        def fail(prop: str, detail: str) -> None:
+            raise InvariantViolation(prop, detail, _summary(sched, self.ticks))
+        return fail
 
     def _chain(self, seq: Any, toks: Sequence[int], n_blocks: int, B: int) -> list[int]:
         """``seq``'s chain ``c_0 .. c_{n_blocks - 1}`` (at least): ``c_0`` a root, ``c_{i+1} =
@@ -646,6 +673,8 @@ class InvariantChecker:
         check_state(sched, finished=done, tick_no=tick_no)
         self._apply_writes(cfg.block_tokens, fail)
         self._check_block_contents(sched, fail)
+        if self._prefix is not None and cfg.prefix_caching and self._prefix.journal is not None:
+            self._prefix.after_tick(sched, plan, fail, st.stats.finish_reasons["abort"] != self._outside)
         if self._snap is None:
             self.skips[self._why] += 1
         elif self._ref is not None:

@@ -13,9 +13,17 @@ from batch.core import prefix_cache
 from conftest import ScriptedBackend, StepClock
 from inference_stub import Request
 from scheduler import Scheduler
-from spec.invariants import InvariantViolation
+from spec.invariants import InvariantChecker, InvariantViolation
 
 B = 4
+
+
+@pytest.fixture
+def contents_only(monkeypatch):
+    """The bugs below are caught sooner by ``prefix_cache_reference`` (``tests/test_prefix_reference.py``
+    plants them too); turned off here so that these tests keep showing what ``block_holds_prefix``
+    catches on its own."""
+    monkeypatch.setattr(InvariantChecker, "prefix_reference", False)
 
 
 def _sched(**kw) -> Scheduler:
@@ -46,7 +54,7 @@ def _unchained(prompt, block_tokens):  # the planted bug: every block's parent h
     return tuple((0, key) for _, key in prefix_cache.block_keys(prompt, block_tokens))
 
 
-def test_keys_that_do_not_chain_reuse_another_prefixs_block_and_fail_block_holds_prefix(monkeypatch):
+def test_keys_that_do_not_chain_reuse_another_prefixs_block_and_fail_block_holds_prefix(monkeypatch, contents_only):
     monkeypatch.setattr(scheduler, "block_keys", _unchained)
     s = _sched()
     with pytest.raises(InvariantViolation) as e:
@@ -55,7 +63,7 @@ def test_keys_that_do_not_chain_reuse_another_prefixs_block_and_fail_block_holds
     assert "r1: block 0" in e.value.detail and "another prefix's KV" in e.value.detail
 
 
-def test_a_hit_one_block_off_fails_block_holds_prefix(monkeypatch):
+def test_a_hit_one_block_off_fails_block_holds_prefix(monkeypatch, contents_only):
     real = prefix_cache.PrefixCachingPool.lookup
 
     def shifted(self, keys):  # the planted bug: a hit returns the blocks of the next positions
@@ -68,7 +76,7 @@ def test_a_hit_one_block_off_fails_block_holds_prefix(monkeypatch):
     assert e.value.property == "block_holds_prefix", e.value
 
 
-def test_an_evicted_block_left_in_the_cache_map_fails_block_holds_prefix(monkeypatch):
+def test_an_evicted_block_left_in_the_cache_map_fails_block_holds_prefix(monkeypatch, contents_only):
     """Eviction in the middle of a chain: the pool forgets the block's key but keeps the map from
     its chained hash to the block (planted), so a later prompt with that prefix hits a block that
     was reused for another request's tokens."""

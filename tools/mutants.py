@@ -989,15 +989,18 @@ def recording_after_tick(self, sched, plan, finished, *rest):
         note("trace", e)
 inv.InvariantChecker.after_tick = recording_after_tick
 
-before_commit = getattr(inv.InvariantChecker, "before_commit", None)
-if before_commit is not None:  # plan_within_free: recorded, then raised (the plan must not be committed)
-    def recording_before_commit(self, sched, plan):
+def recording(method):  # plan_within_free, prefix_cache_reference: recorded, then raised (mid-tick)
+    def call(self, *a, **kw):
         try:
-            before_commit(self, sched, plan)
+            return method(self, *a, **kw)
         except inv.InvariantViolation as e:
             note("runtime", e)
             raise
-    inv.InvariantChecker.before_commit = recording_before_commit
+    return call
+
+for name in ("before_tick", "before_commit", "after_commit"):
+    if getattr(inv.InvariantChecker, name, None) is not None:
+        setattr(inv.InvariantChecker, name, recording(getattr(inv.InvariantChecker, name)))
 
 end = None
 try:
