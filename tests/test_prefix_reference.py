@@ -129,22 +129,17 @@ def test_clean_scheduler_passes_with_aborts_and_a_rolled_back_tick():
     assert s.check_stats()["prefix_cache_checked"] > 0 and s.metrics()["prefix_cache_hits"] > 0
 
 
-def test_last_cacheable_block_never_cached_fails_prefix_cache_reference(monkeypatch):
-    monkeypatch.setattr(prefix_cache.PrefixCachingPool, "computed", _computed_one_key_short)
+@pytest.mark.parametrize("method, planted, why", [
+    ("computed", _computed_one_key_short, ("(a) cached", "should be cached")),  # the last cacheable block never cached
+    ("allocate", _allocate_evicting_newest, ("(b) eviction", "least recently freed")),  # the newest cached block evicted
+], ids=["last_cacheable_block_never_cached", "eviction_of_the_newest_cached_block"])
+def test_each_planted_prefix_cache_bug_fails_prefix_cache_reference(monkeypatch, method, planted, why):
+    monkeypatch.setattr(prefix_cache.PrefixCachingPool, method, planted)
     s = _sched()
     with pytest.raises(InvariantViolation) as e:
         _drive(s)
     assert e.value.property == PROPERTY, e.value
-    assert "(a) cached" in e.value.detail and "should be cached" in e.value.detail, e.value.detail
-
-
-def test_eviction_of_the_newest_cached_block_fails_prefix_cache_reference(monkeypatch):
-    monkeypatch.setattr(prefix_cache.PrefixCachingPool, "allocate", _allocate_evicting_newest)
-    s = _sched()
-    with pytest.raises(InvariantViolation) as e:
-        _drive(s)
-    assert e.value.property == PROPERTY, e.value
-    assert "(b) eviction" in e.value.detail and "least recently freed" in e.value.detail, e.value.detail
+    assert all(w in e.value.detail for w in why), e.value.detail
 
 
 def test_both_planted_bugs_keep_the_results_and_only_lose_hits(monkeypatch):
